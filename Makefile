@@ -1,0 +1,43 @@
+# kvtop — `make demo` runs the main job on the default model; `make test` runs the tests.
+# Both create .venv and install what they need on a fresh machine.
+
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+MODEL     ?= smollm2-135m
+# torch first and pinned: on the dev/CI machines 2.13.0 is a CPU wheel on disk; a bare
+# `torch` would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint fmt model bench completions clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -c "from engine.model.loader import resolve_model_dir; print(resolve_model_dir('$(MODEL)'))"
+
+demo: model
+	$(BIN)/kvctl run kvtop/data/demo_prompts.jsonl -o demo_outputs.jsonl
+
+test: model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine kvtop tests benchmarks
+	$(BIN)/ruff format --check engine kvtop tests benchmarks
+
+fmt: $(STAMP)
+	$(BIN)/ruff format engine kvtop tests benchmarks
+	$(BIN)/ruff check --fix engine kvtop tests benchmarks
+
+bench: model
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache demo_outputs.jsonl

@@ -1,0 +1,196 @@
+"""BlockManager: the paged KV pool — block tables, ref counts, and the prefix cache.
+
+Every block is in exactly one state: free (in `free_queue`, with or without a reusable prefix
+hash — "cached" when with), used by one sequence, or shared (ref count > 1). Full blocks get a
+hash chained from their parent's hash and their token ids; a freed block keeps its hash and stays
+findable until it is reallocated, least recently used first. `free_queue` is an OrderedDict used
+as an O(1) linked list: blocks without a hash sit at the front (reused first), cached ones are
+appended at the back as they are freed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PrefixStats:
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, found in the cache
+    queries: int = 0  # requests looked up
+    hit_requests: int = 0  # requests with at least one block hit
+    evictions: int = 0  # cached blocks reallocated (their prefix lost)
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    free_queue: OrderedDict[int, None] = field(init=False)
+    hash_to_block: dict[int, int] = field(init=False)
+    prefix: PrefixStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.hash_to_block = {}
+        self.prefix = PrefixStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(1 for b in self.free_queue if self.blocks[b].hash is not None)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free
+
+    # ---- prefix cache --------------------------------------------------------------------
+    @staticmethod
+    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq` (full blocks only, and never the
+        whole sequence: its last token must be computed to produce logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        tokens = seq.token_ids
+        bs = self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = self.chain_hash(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Give a newly admitted sequence its cached prefix blocks and count the lookup."""
+        assert not seq.block_table, "sequence already holds blocks"
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching and not seq.prefix_counted:
+            # a request is counted once, on first admission (not again after a preemption)
+            seq.prefix_counted = True
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix.queries += 1
+            self.prefix.query_tokens += seq.num_prompt_tokens
+            self.prefix.hit_tokens += seq.num_computed_tokens
+            self.prefix.hit_requests += bool(hits)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks the last step filled, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        tokens = seq.token_ids
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, full):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = self.chain_hash(parent, chunk)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block:
+                block.hash, block.token_ids = h, chunk
+                self.hash_to_block[h] = block.block_id
+            elif block.hash is None:
+                # the same content is cached in another block: keep the chain going from here
+                block.hash, block.token_ids = h, chunk
+            parent = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+                self.prefix.evictions += 1
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow `seq`'s table to hold `num_new_tokens` more tokens. Caller checked can_append."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._pop_free())
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks. Tail blocks go in first so a prefix outlives its suffix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                    self.free_queue[block_id] = None
+                else:
+                    block.hash, block.token_ids = None, ()
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def evict_cached(self, max_blocks: int | None = None) -> int:
+        """Drop up to `max_blocks` free cached prefixes, least recently used first."""
+        dropped = 0
+        for block_id in list(self.free_queue):
+            if max_blocks is not None and dropped >= max_blocks:
+                break
+            block = self.blocks[block_id]
+            if block.hash is None:
+                continue
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+            self.free_queue.move_to_end(block_id, last=False)
+            self.prefix.evictions += 1
+            dropped += 1
+        return dropped
+
+    # ---- views ---------------------------------------------------------------------------
+    def block_states(self) -> str:
+        """One char per block (DESIGN §6): `.` free, `c` cached, `u` used, `s` shared."""
+        chars = []
+        for b in self.blocks:
+            if b.ref_count > 1:
+                chars.append("s")
+            elif b.ref_count == 1:
+                chars.append("u")
+            elif b.hash is not None:
+                chars.append("c")
+            else:
+                chars.append(".")
+        return "".join(chars)

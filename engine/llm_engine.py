@@ -1,0 +1,339 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time.
+
+Owns the model runner, the block manager, the scheduler and the metrics. Thread-safe in the
+ways a server needs: `add_request`/`abort` from any thread land in an inbox the step loop drains;
+`stats()` reads under the same lock the step holds while it changes state (not while the model
+computes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+
+import torch
+
+from engine.config import EngineConfig, format_bytes
+from engine.errors import EngineDrainingError, InvalidRequestError
+from engine.kernels import get_backend, resolve_backend_name
+from engine.kv.block_manager import BlockManager
+from engine.kv.cache import KVCache
+from engine.metrics import Metrics
+from engine.model.loader import load_model, log
+from engine.outputs import RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceState
+
+CPU_DEFAULT_KV_MEMORY = 256 * 1024**2
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return TORCH_DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.start_time = time.time()
+        t0 = time.time()
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
+        self.model_path = loaded.path
+        self.eos_token_ids = loaded.eos_token_ids
+        self.weights_bytes = loaded.weights_bytes
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        self.model.build_rope_cache(self.max_model_len)
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
+        kernels = get_backend(config.attention_backend, self.device)
+        self.kv = KVCache.allocate(
+            self.spec,
+            self._kv_memory_bytes(),
+            config.block_size,
+            config.kv_cache_dtype,
+            self.dtype,
+            self.device,
+        )
+        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
+        self.metrics = Metrics()
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.max_seq_len = min(self.max_model_len, self.kv.num_blocks * config.block_size)
+        self.state = "running"
+        self.step_count = 0
+        self.seqs: dict[str, Sequence] = {}  # every unfinished request
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: deque[tuple[str, str]] = deque()
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self.load_seconds = time.time() - t0
+        if not quiet:
+            log(self.summary())
+
+    # ---- sizing --------------------------------------------------------------------------
+    def _kv_memory_bytes(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return int(self.config.kv_cache_memory)
+        if not self.device.startswith("cuda"):
+            return CPU_DEFAULT_KV_MEMORY
+        free, total = torch.cuda.mem_get_info()
+        # what this process may take in all, less what is already taken (weights, other processes)
+        budget = total * self.config.gpu_memory_utilization - (total - free)
+        activation_reserve = self.config.max_num_batched_tokens * self.spec.hidden_size * 4 * 16
+        return max(0, int(budget - activation_reserve))
+
+    def summary(self) -> str:
+        kv = self.kv
+        cap = kv.num_blocks * kv.block_size
+        at_len = cap // self.max_model_len if self.max_model_len else 0
+        return (
+            f"model {self.config.model} ({self.spec.model_type}, {self.spec.num_layers} layers, "
+            f"{self.spec.num_kv_heads} KV heads × {self.spec.head_dim}) on {self.device}, {str(self.dtype)[6:]}, "
+            f"attention {self.attention_backend}; KV {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, "
+            f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}; "
+            f"{at_len} concurrent sequences at max_model_len={self.max_model_len}"
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError for a request that could
+        never run, EngineDrainingError while draining."""
+        params = params or SamplingParams()
+        if self.state != "running":
+            raise EngineDrainingError(f"engine is {self.state}: not admitting new requests (resume to admit)")
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("prompt is empty")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.spec.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.spec.vocab_size})")
+        if len(token_ids) >= self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but at most {self.max_seq_len - 1} fit "
+                f"(max_model_len={self.max_model_len}, KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=arrival_time or time.time(),
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        with self._lock:
+            if request_id in self.seqs:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self.seqs[request_id] = seq
+            self._inbox.append(seq)
+        return request_id
+
+    def abort(self, request_id: str, detail: str = "aborted") -> bool:
+        """Abort a request (from any thread); it finishes with reason `abort` at the next step."""
+        with self._lock:
+            if request_id not in self.seqs:
+                return False
+            self._aborts.append((request_id, detail))
+            return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of every request that got a
+        token or finished this step."""
+        outputs: list[RequestOutput] = []
+        with self._lock:
+            self._take_inbox(outputs)
+            batch = self.scheduler.schedule()
+            now = time.time()
+            for seq in batch.preempted:
+                self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
+            for seq in batch.admitted:
+                if seq.metrics.first_scheduled_time is None:
+                    seq.metrics.first_scheduled_time = now
+                    self.metrics.queue.observe(now - seq.metrics.arrival_time, now)
+                    self.metrics.event("scheduled", seq.seq_id, f"{seq.num_cached_tokens} cached tokens")
+        if not batch:
+            return outputs
+        t0 = time.perf_counter()
+        logits, sample_idx = self.runner.execute(batch)
+        seqs = [batch.seqs[i] for i in sample_idx]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._account(batch, elapsed)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(seq)
+            now = time.time()
+            for j, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                if seq.is_finished:  # aborted while the model ran
+                    continue
+                self._append_token(seq, token, None if logprobs is None else logprobs[j], now)
+                outputs.append(self._output(seq, [token]))
+            self.step_count += 1
+            self.metrics.record_step(now)
+            usage = 1.0 - self.block_manager.num_free / self.kv.num_blocks
+            self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, usage)
+            if self.state == "draining" and not self.seqs:
+                self._set_drained()
+        return outputs
+
+    def _take_inbox(self, outputs: list[RequestOutput]) -> None:
+        while self._inbox:
+            seq = self._inbox.popleft()
+            self.scheduler.add(seq)
+            self.metrics.event("admitted", seq.seq_id, f"{seq.num_prompt_tokens} prompt tokens")
+        while self._aborts:
+            request_id, detail = self._aborts.popleft()
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                self._finish(seq, "abort", detail)
+                outputs.append(self._output(seq, []))
+
+    def _account(self, batch, elapsed: float) -> None:
+        c = self.metrics.counters
+        prefill_tokens = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_part = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                c.prompt_tokens += prompt_part
+            if n > 1:
+                prefill_tokens += n
+        if prefill_tokens:
+            c.prefill_tokens += prefill_tokens
+            c.prefill_seconds += elapsed * prefill_tokens / batch.num_tokens
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        self.metrics.counters.generation_tokens += 1
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.metrics.ttft.observe(now - m.arrival_time, now)
+            self.metrics.event("first_token", seq.seq_id, f"ttft {now - m.arrival_time:.3f} s")
+        else:
+            itl = now - m.last_token_time
+            m.itls.append(itl)
+            self.metrics.itl.observe(itl, now)
+        m.last_token_time = now
+        p = seq.params
+        if not p.ignore_eos and (token in self.eos_token_ids or token in p.stop_token_ids):
+            self._finish(seq, "stop", "eos")
+        elif p.stop and self._hit_stop_string(seq):
+            self._finish(seq, "stop", "stop string")
+        elif seq.num_output_tokens >= p.max_tokens:
+            self._finish(seq, "length", "max_tokens")
+        elif seq.num_tokens >= self.max_seq_len:
+            self._finish(seq, "length", "max_model_len" if seq.num_tokens >= self.max_model_len else "KV cache full")
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode(seq.output_token_ids)
+        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.stop_text_len = cut
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
+        self.scheduler.finish(seq)
+        seq.state = SequenceState.FINISHED
+        seq.finish_reason, seq.finish_detail = reason, detail
+        now = time.time()
+        seq.metrics.finished_time = now
+        self.seqs.pop(seq.seq_id, None)
+        if reason == "abort":
+            self.metrics.counters.requests_aborted += 1
+            self.metrics.event("aborted", seq.seq_id, detail)
+        else:
+            self.metrics.counters.requests_finished += 1
+            self.metrics.e2e.observe(now - seq.metrics.arrival_time, now)
+            self.metrics.event("finished", seq.seq_id, f"{reason}: {seq.num_output_tokens} tokens")
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        text = None
+        if seq.is_finished:
+            text = self.decode(seq.output_token_ids)
+            if seq.stop_text_len is not None:
+                text = text[: seq.stop_text_len]
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            new_token_ids=new_tokens,
+            text=text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            finish_detail=seq.finish_detail,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            metrics=seq.metrics,
+        )
+
+    # ---- operator controls ---------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop admitting; requests in flight finish. `drained` once none is left."""
+        with self._lock:
+            if self.state == "running":
+                self.state = "draining"
+                self.metrics.event("drain_started", None, f"{len(self.seqs)} requests in flight")
+            if not self.seqs:
+                self._set_drained()
+
+    def _set_drained(self) -> None:
+        if self.state != "drained":
+            self.state = "drained"
+            self.metrics.event("drain_finished")
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.state != "running":
+                self.state = "running"
+                self.metrics.event("resumed")
+
+    def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
+        """Drop free cached prefix blocks (all, or the `max_blocks` least recently used)."""
+        with self._lock:
+            n = self.block_manager.evict_cached(max_blocks)
+            self.metrics.event("evicted", None, f"{n} cached prefix blocks")
+            return n
+
+    def stats(self) -> dict:
+        from engine.stats import build_frame
+
+        with self._lock:
+            return build_frame(self)

@@ -1,0 +1,69 @@
+"""ModelRunner: turns a scheduled batch into packed tensors, runs the forward, returns logits.
+
+It owns the model, the KV cache tensors and the kernel backend; it knows nothing of requests
+beyond their tokens, positions and block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.cache import KVCache
+from engine.model.llama import AttentionBatch, CausalLM
+from engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVCache, kernels, device: str) -> None:
+        self.model = model
+        self.kv = kv
+        self.kernels = kernels
+        self.device = device
+        self.block_size = kv.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns logits for the sequences that reach their last token this step
+        (a prompt chunk mid-prefill produces none) and those sequences' indices in the batch."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        sample_rows: list[int] = []
+        sample_idx: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            table = seq.block_table
+            for pos in range(start, end):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_idx.append(i)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        attn = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            is_decode=len(input_ids) == len(batch.seqs),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn,
+            self.kv.layers,
+            self.kernels,
+        )
+        if not sample_rows:
+            return hidden.new_empty(0, self.model.spec.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return logits, sample_idx

@@ -1,0 +1,162 @@
+"""The stats frame (DESIGN §6, `"schema": 1`): the one place its shape is decided.
+
+`build_frame(engine)` is called under the engine lock; everything it returns is plain JSON.
+The JSON Schema the tests validate frames against is `engine/stats_schema.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+SCHEMA_VERSION = 1
+FRAME_EVENTS = 50  # latest events carried in each frame
+
+
+def build_frame(engine: LLMEngine) -> dict:
+    now = time.time()
+    bm = engine.block_manager
+    kv = engine.kv
+    sched = engine.scheduler
+    blocks = bm.block_states()
+    used = blocks.count("u") + blocks.count("s")
+    running_active = sum(s.num_computed_tokens for s in sched.running)
+    m = engine.metrics
+    p = bm.prefix
+    spt = m.prefill_seconds_per_token()
+    sequences = [
+        _sequence(s, kv.bytes_per_token, kv.block_size, now) for s in list(sched.running) + list(sched.waiting)
+    ]
+    return {
+        "schema": SCHEMA_VERSION,
+        "ts": now,
+        "engine": {
+            "state": engine.state,
+            "model": engine.config.served_model_name or engine.config.model,
+            "device": engine.device,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "attention_backend": engine.attention_backend,
+            "uptime_s": now - engine.start_time,
+            "step": engine.step_count,
+            "max_model_len": engine.max_model_len,
+        },
+        "kv": {
+            "block_size": kv.block_size,
+            "num_blocks": kv.num_blocks,
+            "free": blocks.count(".") + blocks.count("c"),
+            "cached": blocks.count("c"),
+            "used": used,
+            "shared": blocks.count("s"),
+            "usage": used / kv.num_blocks,
+            "peak_usage": m.peak_kv_usage,
+            "bytes_per_token": kv.bytes_per_token,
+            "total_bytes": kv.total_bytes,
+            "used_bytes": used * kv.block_size * kv.bytes_per_token,
+            "dtype": kv.kv_cache_dtype,
+            "blocks": blocks,
+            "cpu": {"num_blocks": 0, "used": 0},
+        },
+        "sequences": sequences,
+        "scheduler": {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(engine._inbox),
+            "swapped": 0,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "active_tokens": running_active,
+            "preemptions_total": sched.preemptions_total,
+        },
+        "prefix": {
+            "enabled": bm.enable_prefix_caching,
+            "query_tokens": p.query_tokens,
+            "hit_tokens": p.hit_tokens,
+            "hit_rate": p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
+            "queries": p.queries,
+            "hit_requests": p.hit_requests,
+            "request_hit_rate": p.hit_requests / p.queries if p.queries else 0.0,
+            "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
+            "evictions": p.evictions,
+        },
+        "latency": {
+            "ttft": m.ttft.summary(now),
+            "itl": m.itl.summary(now),
+            "e2e": m.e2e.summary(now),
+            "queue": m.queue.summary(now),
+        },
+        "throughput": m.throughput(now),
+        "counters": {
+            "prompt_tokens": m.counters.prompt_tokens,
+            "generation_tokens": m.counters.generation_tokens,
+            "requests_finished": m.counters.requests_finished,
+            "requests_aborted": m.counters.requests_aborted,
+        },
+        "memory": _memory(engine),
+        "events": list(m.events)[-FRAME_EVENTS:],
+    }
+
+
+def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> dict:
+    met = seq.metrics
+    itl = sum(met.itls) / len(met.itls) if met.itls else None
+    return {
+        "id": seq.seq_id,
+        "state": seq.state.value,
+        "prompt_tokens": seq.num_prompt_tokens,
+        "output_tokens": seq.num_output_tokens,
+        "cached_tokens": seq.num_cached_tokens,
+        "computed_tokens": seq.num_computed_tokens,
+        "num_blocks": len(seq.block_table),
+        "kv_bytes": len(seq.block_table) * block_size * bytes_per_token,
+        "age_s": now - met.arrival_time,
+        "ttft_s": met.ttft,
+        "itl_s": itl,
+        "preemptions": seq.num_preemptions,
+        "block_ids": list(seq.block_table),
+    }
+
+
+def _memory(engine: LLMEngine) -> dict:
+    if engine.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        device_total, device_used = total, total - free
+    else:
+        device_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        device_used = _rss_bytes()
+    return {
+        "device_total": device_total,
+        "device_used": device_used,
+        "weights": engine.weights_bytes,
+        "kv": engine.kv.total_bytes,
+        "nvml": _nvml(engine),
+    }
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _nvml(engine: LLMEngine) -> dict | None:
+    """GPU utilisation through NVML when there is an NVIDIA GPU; None otherwise, never an error."""
+    if not engine.device.startswith("cuda"):
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"gpu_util": util.gpu, "mem_bw_util": util.memory, "mem_used": mem.used, "mem_total": mem.total}
+    except Exception:  # no driver, no permission, old card: the dashboard just shows no NVML
+        return None

@@ -1,0 +1,102 @@
+"""Engine knobs as typer options, declared once and added to every command that builds an engine.
+
+Flags are the EngineConfig field names in kebab case (DESIGN §5): `--kv-cache-memory 128MiB`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Annotated
+
+import typer
+
+from engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES, EngineConfig
+
+_P = "Engine"
+
+
+def _choice(values: tuple[str, ...]) -> str:
+    return " | ".join(values)
+
+
+ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
+    "model": (
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Known name (smollm2-135m), HF model directory, .gguf file or HF hub id.",
+            rich_help_panel=_P,
+        ),
+    ),
+    "dtype": (str, typer.Option(help=f"Model dtype: {_choice(DTYPES)}.", rich_help_panel=_P)),
+    "device": (str, typer.Option(help="auto | cpu | cuda | cuda:N.", rich_help_panel=_P)),
+    "kv_cache_memory": (
+        str | None,
+        typer.Option(help="KV cache size, e.g. 256MiB, 2GiB (default 256MiB on CPU).", rich_help_panel=_P),
+    ),
+    "gpu_memory_utilization": (
+        float,
+        typer.Option(
+            help="GPU: share of device memory for weights + KV when --kv-cache-memory is unset.", rich_help_panel=_P
+        ),
+    ),
+    "block_size": (int, typer.Option(help="Tokens per KV block.", rich_help_panel=_P)),
+    "max_num_seqs": (int, typer.Option(help="Most sequences running at once.", rich_help_panel=_P)),
+    "max_num_batched_tokens": (
+        int,
+        typer.Option(help="Token budget of one step (prefill chunks + decodes).", rich_help_panel=_P),
+    ),
+    "max_model_len": (
+        int | None,
+        typer.Option(help="Longest prompt + output (default: the model's).", rich_help_panel=_P),
+    ),
+    "enable_prefix_caching": (
+        bool,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Reuse KV of shared prompt prefixes.",
+            rich_help_panel=_P,
+        ),
+    ),
+    "kv_cache_dtype": (str, typer.Option(help=f"KV storage: {_choice(KV_CACHE_DTYPES)}.", rich_help_panel=_P)),
+    "attention_backend": (str, typer.Option(help=f"{_choice(ATTENTION_BACKENDS)}.", rich_help_panel=_P)),
+    "schedule_policy": (str, typer.Option(help=f"{_choice(SCHEDULE_POLICIES)}.", rich_help_panel=_P)),
+    "preemption_mode": (str, typer.Option(help=f"{_choice(PREEMPTION_MODES)}.", rich_help_panel=_P)),
+    "cpu_offload_memory": (
+        str | None,
+        typer.Option(help="Host-memory KV tier for swapped and spilled blocks, e.g. 1GiB.", rich_help_panel=_P),
+    ),
+    "seed": (int, typer.Option(help="Seed for requests that bring none.", rich_help_panel=_P)),
+    "served_model_name": (
+        str | None,
+        typer.Option(help="Model id the API reports (default: --model).", rich_help_panel=_P),
+    ),
+}
+
+
+def with_engine_options(func):
+    """Add every ENGINE_OPTIONS flag to a typer command; the command receives `config: EngineConfig`."""
+    defaults = EngineConfig()
+    sig = inspect.signature(func, eval_str=True)
+    params = [p for name, p in sig.parameters.items() if name != "config"]
+    for name, (annotation, option) in ENGINE_OPTIONS.items():
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=getattr(defaults, name),
+                annotation=Annotated[annotation, option],
+            )
+        )
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        engine_kwargs = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
+        return func(config=EngineConfig(**engine_kwargs), **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)
+    # typer reads annotations too: give it the real objects, not the wrapped function's
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper

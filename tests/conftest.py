@@ -1,0 +1,106 @@
+"""Shared fixtures: the real SmolLM2-135M, and tiny random-weight models of each supported family.
+
+Models load once per session. Tiny models borrow SmolLM2's tokenizer so text prompts work.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter; it must be set before triton imports.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    initializer_range=0.1,  # peaky logits: greedy choices are not near-ties
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3-rope": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "smollm-tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from engine.model.loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m")
+
+
+def make_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny_model(f, root / f, smollm2_dir) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir):
+    from engine import LLM
+
+    return LLM(str(tiny_dir), dtype="float32", kv_cache_memory="8MiB", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir):
+    from engine import LLM
+
+    return LLM("smollm2-135m", dtype="float32", kv_cache_memory="512MiB", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

@@ -1,0 +1,29 @@
+"""Test helpers that are not fixtures: transformers as the oracle, prompt makers."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """transformers `generate` for one prompt, greedy, cut after the first EOS like our engine."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos if eos is not None else 0,
+        )
+    tokens = out[0, len(prompt_ids) :].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+def random_prompts(n: int, lengths: tuple[int, int], vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
