@@ -79,6 +79,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # every unfinished request
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, str]] = deque()
+        self._requeues: deque[str] = deque()
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self.load_seconds = time.time() - t0
@@ -218,6 +219,11 @@ class LLMEngine:
             if seq is not None:
                 self._finish(seq, "abort", detail)
                 outputs.append(self._output(seq, []))
+        while self._requeues:
+            seq = self.seqs.get(self._requeues.popleft())
+            if seq is not None and seq.state is SequenceState.RUNNING:
+                self.scheduler.requeue(seq)
+                self.metrics.event("evicted", seq.seq_id, f"requeued; {seq.num_tokens} tokens to recompute")
 
     def _account(self, batch, elapsed: float) -> None:
         c = self.metrics.counters
@@ -331,6 +337,22 @@ class LLMEngine:
             n = self.block_manager.evict_cached(max_blocks)
             self.metrics.event("evicted", None, f"{n} cached prefix blocks")
             return n
+
+    def evict_sequence(self, request_id: str, requeue: bool = False) -> bool:
+        """Take a request's KV blocks back. Without `requeue` it ends with reason `abort`; with it,
+        it goes back to the front of the queue and is recomputed. Applied at the next step."""
+        with self._lock:
+            if request_id not in self.seqs:
+                return False
+            if requeue:
+                self._requeues.append(request_id)
+            else:
+                self._aborts.append((request_id, "evicted by operator"))
+            return True
+
+    def has_pending(self) -> bool:
+        """Work for `step()`: requests in flight, or queued aborts and evictions."""
+        return bool(self.seqs or self._aborts or self._requeues)
 
     def stats(self) -> dict:
         from engine.stats import build_frame

@@ -85,6 +85,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def requeue(self, seq: Sequence) -> None:
+        """Operator eviction with requeue: free the blocks, recompute the sequence later."""
+        self.running.remove(seq)
+        self._preempt(seq)
+        self.preemptions_total -= 1  # not a preemption the scheduler chose
+        seq.num_preemptions -= 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
         seq.state = SequenceState.WAITING
