@@ -16,10 +16,11 @@ from collections import deque
 import torch
 
 from engine.config import EngineConfig, format_bytes
-from engine.errors import EngineDrainingError, InvalidRequestError
+from engine.errors import ConfigError, EngineDrainingError, InvalidRequestError
 from engine.kernels import get_backend, resolve_backend_name
 from engine.kv.block_manager import BlockManager
 from engine.kv.cache import KVCache
+from engine.kv.cpu_tier import CpuTier
 from engine.metrics import Metrics
 from engine.model.loader import load_model, log
 from engine.outputs import RequestOutput
@@ -68,9 +69,23 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
-        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        cpu = None
+        if config.cpu_offload_memory:
+            host_blocks = self.kv.allocate_host(int(config.cpu_offload_memory))
+            cpu = CpuTier(host_blocks, self.kv.block_bytes, self.kv)
+        elif config.preemption_mode == "swap":
+            raise ConfigError("preemption_mode=swap needs a CPU tier: set cpu_offload_memory (e.g. 1GiB)")
+        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching, cpu)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            policy=config.schedule_policy,
+            preemption_mode=config.preemption_mode,
+        )
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
+        if config.kv_cache_dtype == "fp8_e4m3":
+            self._calibrate_fp8()
         self.metrics = Metrics()
         self.generator = torch.Generator().manual_seed(config.seed)
         self.max_seq_len = min(self.max_model_len, self.kv.num_blocks * config.block_size)
@@ -85,6 +100,27 @@ class LLMEngine:
         self.load_seconds = time.time() - t0
         if not quiet:
             log(self.summary())
+
+    def _calibrate_fp8(self) -> None:
+        """fp8 keeps one scale per tensor: fit it to what this model's K and V look like (with
+        2x headroom) on a short calibration text, so small values do not fall into subnormals."""
+        from engine.scheduler import ScheduledBatch
+
+        text = (
+            "The key and value cache holds, for every past token, what attention needs to look back. "
+            "Its size grows with layers, heads, head size, context length and the number of requests."
+        )
+        ids = self.tokenizer.encode(text)[: self.kv.num_blocks * self.kv.block_size - 1]
+        seq = Sequence("calibration", ids, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(-(-len(ids) // self.kv.block_size)))
+        for layer in self.kv.layers:
+            layer.calibrating = True
+        try:
+            self.runner.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[len(ids)]))
+        finally:
+            for layer in self.kv.layers:
+                layer.calibrating = False
+        self.kv.data.zero_()
 
     # ---- sizing --------------------------------------------------------------------------
     def _kv_memory_bytes(self) -> int:
@@ -176,7 +212,12 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             now = time.time()
             for seq in batch.preempted:
-                self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
+                if seq.state is SequenceState.SWAPPED:
+                    self.metrics.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
+                else:
+                    self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
+            for seq in batch.swapped_in:
+                self.metrics.event("swapped", seq.seq_id, f"in: {len(seq.block_table)} blocks from the CPU tier")
             for seq in batch.admitted:
                 if seq.metrics.first_scheduled_time is None:
                     seq.metrics.first_scheduled_time = now

@@ -1,8 +1,11 @@
 """Scheduler: continuous batching under a sequence cap and a token budget.
 
 Each step: running sequences first (decode: one token; a prompt still prefilling: its next chunk),
-then waiting ones join while the budget, `max_num_seqs` and free blocks allow. When blocks run out
-the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
+then swapped-out ones come back, then waiting ones join while the budget, `max_num_seqs` and free
+blocks allow. When blocks run out the newest running sequence is preempted: swapped to the CPU
+tier (preemption_mode=swap, when it has room) or freed and recomputed later from its tokens.
+Waiting order is arrival (fcfs) or longest cached prefix first (lpm), where a request passed over
+`lpm_max_skips` times goes first so nothing starves.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -30,12 +34,24 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        preemption_mode: str = "recompute",
+        lpm_max_skips: int = 16,
+    ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.preemption_mode = preemption_mode
+        self.lpm_max_skips = lpm_max_skips
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.preemptions_total = 0
 
     def add(self, seq: Sequence) -> None:
@@ -43,7 +59,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -64,15 +80,32 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        # a step that had to preempt admits nobody: the cache is full
-        while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        if batch.preempted:
+            return batch  # the cache is full: nobody comes back or joins this step
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            self.bm.swap_in(seq)
+            self.bm.append_slots(seq, n)
+            seq.state = SequenceState.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            batch.swapped_in.append(seq)
+            budget -= n
+        if self.swapped:
+            return batch  # swapped sequences come back before new ones start
+        if self.policy == "lpm" and len(self.waiting) > 1:
+            self._order_longest_prefix_first()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.bm.lookup_prefix(seq)
             computed = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - computed, budget)
-            reused_free = sum(1 for b in hits if self.bm.blocks[b].ref_count == 0)
-            needed = -(-(computed + n) // self.bm.block_size) - len(hits)
-            if needed + reused_free > self.bm.num_free:
+            if self.bm.blocks_to_admit(hits, computed + n) > self.bm.num_free:
                 break
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, hits)
@@ -83,20 +116,39 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             batch.admitted.append(seq)
             budget -= n
+        for seq in self.waiting:
+            seq.lpm_skips += 1 if self.policy == "lpm" else 0
         return batch
+
+    def _order_longest_prefix_first(self) -> None:
+        """lpm: sequences already started (preempted) and starving ones first, then by cached prefix."""
+        window = list(self.waiting)[:256]
+        rest = list(self.waiting)[256:]
+
+        def key(seq: Sequence) -> tuple[int, int]:
+            if seq.num_preemptions or seq.lpm_skips >= self.lpm_max_skips:
+                return (0, -seq.lpm_skips)
+            return (1, -len(self.bm.lookup_prefix(seq)))
+
+        window.sort(key=key)  # stable: equal prefixes stay in arrival order
+        self.waiting = deque(window + rest)
 
     def requeue(self, seq: Sequence) -> None:
         """Operator eviction with requeue: free the blocks, recompute the sequence later."""
         self.running.remove(seq)
-        self._preempt(seq)
+        self._preempt(seq, allow_swap=False)
         self.preemptions_total -= 1  # not a preemption the scheduler chose
         seq.num_preemptions -= 1
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.bm.free(seq)
-        seq.state = SequenceState.WAITING
+    def _preempt(self, seq: Sequence, allow_swap: bool = True) -> None:
         seq.num_preemptions += 1
         self.preemptions_total += 1
+        if allow_swap and self.preemption_mode == "swap" and self.bm.swap_out(seq):
+            seq.state = SequenceState.SWAPPED
+            self.swapped.appendleft(seq)
+            return
+        self.bm.free(seq)
+        seq.state = SequenceState.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -105,4 +157,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         self.bm.free(seq)

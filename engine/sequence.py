@@ -56,11 +56,13 @@ class Sequence:
     finish_detail: str | None = None
     # KV cache bookkeeping (owned by BlockManager)
     block_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)  # CPU-tier blocks while swapped out
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     prefix_counted: bool = False
     num_preemptions: int = 0
+    lpm_skips: int = 0  # times passed over by the lpm policy (its fairness bound)
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     generator: torch.Generator | None = None
     metrics: RequestMetrics = field(init=False)

@@ -25,7 +25,8 @@ def build_frame(engine: LLMEngine) -> dict:
     kv = engine.kv
     sched = engine.scheduler
     blocks = bm.block_states()
-    used = blocks.count("u") + blocks.count("s")
+    device_blocks = blocks[: kv.num_blocks]
+    used = device_blocks.count("u") + device_blocks.count("s")
     running_active = sum(s.num_computed_tokens for s in sched.running)
     m = engine.metrics
     p = bm.prefix
@@ -49,10 +50,11 @@ def build_frame(engine: LLMEngine) -> dict:
         "kv": {
             "block_size": kv.block_size,
             "num_blocks": kv.num_blocks,
-            "free": blocks.count(".") + blocks.count("c"),
-            "cached": blocks.count("c"),
+            "free": device_blocks.count(".") + device_blocks.count("c"),
+            "cached": device_blocks.count("c"),
             "used": used,
-            "shared": blocks.count("s"),
+            "shared": device_blocks.count("s"),
+            "offloaded": blocks.count("o"),
             "usage": used / kv.num_blocks,
             "peak_usage": m.peak_kv_usage,
             "bytes_per_token": kv.bytes_per_token,
@@ -60,13 +62,13 @@ def build_frame(engine: LLMEngine) -> dict:
             "used_bytes": used * kv.block_size * kv.bytes_per_token,
             "dtype": kv.kv_cache_dtype,
             "blocks": blocks,
-            "cpu": {"num_blocks": 0, "used": 0},
+            "cpu": _cpu_tier(bm.cpu, len(sched.swapped)),
         },
         "sequences": sequences,
         "scheduler": {
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(engine._inbox),
-            "swapped": 0,
+            "swapped": len(sched.swapped),
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "active_tokens": running_active,
@@ -82,6 +84,8 @@ def build_frame(engine: LLMEngine) -> dict:
             "request_hit_rate": p.hit_requests / p.queries if p.queries else 0.0,
             "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
             "evictions": p.evictions,
+            "restored_blocks": p.restored_blocks,
+            "cached_blocks": device_blocks.count("c"),
         },
         "latency": {
             "ttft": m.ttft.summary(now),
@@ -98,6 +102,30 @@ def build_frame(engine: LLMEngine) -> dict:
         },
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
+    }
+
+
+def _cpu_tier(cpu, swapped_seqs: int) -> dict:
+    """The CPU tier's occupancy and what its transfers cost (zeros when there is none)."""
+    if cpu is None:
+        return {"num_blocks": 0, "used": 0, "enabled": False}
+    t = cpu.stats
+    return {
+        "enabled": True,
+        "num_blocks": cpu.num_blocks,
+        "used": cpu.num_used,
+        "prefix_blocks": len(cpu.prefix_of),
+        "swapped_sequences": swapped_seqs,
+        "bytes": cpu.num_blocks * cpu.block_bytes,
+        "swap_outs": t.swap_outs,
+        "swap_ins": t.swap_ins,
+        "swap_out_bytes": t.swap_out_blocks * cpu.block_bytes,
+        "swap_in_bytes": t.swap_in_blocks * cpu.block_bytes,
+        "spilled_blocks": t.spills,
+        "restored_blocks": t.restores,
+        "dropped_blocks": t.dropped,
+        "to_host_s": t.to_host_s,
+        "to_device_s": t.to_device_s,
     }
 
 
@@ -118,6 +146,7 @@ def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> dict:
         "itl_s": itl,
         "preemptions": seq.num_preemptions,
         "block_ids": list(seq.block_table),
+        "host_blocks": len(seq.host_table),
     }
 
 

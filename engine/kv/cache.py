@@ -28,6 +28,11 @@ def bytes_per_token(spec: ModelSpec, kv_cache_dtype: str, model_dtype: torch.dty
     return per_token
 
 
+def num_blocks_for(memory_bytes: int, per_token: int, block_size: int) -> int:
+    """Blocks that fit in `memory_bytes` (the one sizing rule, shared by the engine and `kvctl plan`)."""
+    return int(memory_bytes) // (per_token * block_size)
+
+
 @dataclass
 class KVCache:
     spec: ModelSpec
@@ -39,6 +44,39 @@ class KVCache:
     data: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     scales: torch.Tensor | None  # int8: [layers, 2, num_blocks, block_size, kv_heads]; fp8: [layers, 2, 1]
     layers: list[KVLayer]
+    host_data: torch.Tensor | None = None  # the CPU tier: same layout, host memory
+    host_scales: torch.Tensor | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def allocate_host(self, memory_bytes: int) -> int:
+        """Host-memory blocks for the CPU tier (pinned when the device is a GPU); returns how many."""
+        num = memory_bytes // self.block_bytes
+        shape = list(self.data.shape)
+        shape[2] = num
+        pin = self.data.is_cuda
+        self.host_data = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+        if self.scales is not None and self.kv_cache_dtype == "int8":
+            sshape = list(self.scales.shape)
+            sshape[2] = num
+            self.host_scales = torch.ones(sshape, dtype=torch.float32, pin_memory=pin)
+        return num
+
+    def copy_to_host(self, device_ids: list[int], host_ids: list[int]) -> None:
+        src = torch.tensor(device_ids, device=self.data.device)
+        dst = torch.tensor(host_ids)
+        self.host_data[:, :, dst] = self.data[:, :, src].to("cpu")
+        if self.host_scales is not None:
+            self.host_scales[:, :, dst] = self.scales[:, :, src].to("cpu")
+
+    def copy_to_device(self, host_ids: list[int], device_ids: list[int]) -> None:
+        src = torch.tensor(host_ids)
+        dst = torch.tensor(device_ids, device=self.data.device)
+        self.data[:, :, dst] = self.host_data[:, :, src].to(self.data.device, non_blocking=True)
+        if self.host_scales is not None:
+            self.scales[:, :, dst] = self.host_scales[:, :, src].to(self.data.device, non_blocking=True)
 
     @property
     def total_bytes(self) -> int:
@@ -55,7 +93,7 @@ class KVCache:
         device: str,
     ) -> KVCache:
         per_token = bytes_per_token(spec, kv_cache_dtype, model_dtype)
-        num_blocks = memory_bytes // (per_token * block_size)
+        num_blocks = num_blocks_for(memory_bytes, per_token, block_size)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory={memory_bytes} B holds no block: one block of {block_size} tokens needs "

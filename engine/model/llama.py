@@ -56,10 +56,15 @@ class AttentionBatch:
 class KVLayer:
     """One layer's view into the KV allocation (and its scales when quantized)."""
 
-    __slots__ = ("k", "k_scale", "v", "v_scale")
+    __slots__ = ("calibrating", "k", "k_scale", "v", "v_scale")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale=None, v_scale=None) -> None:
         self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
+        self.calibrating = False  # fp8: set the per-tensor scales from the K/V this forward sees
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor, fp8_max: float = 448.0, headroom: float = 2.0) -> None:
+        self.k_scale.fill_(max(float(k.abs().max()) * headroom / fp8_max, 1e-8))
+        self.v_scale.fill_(max(float(v.abs().max()) * headroom / fp8_max, 1e-8))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,6 +118,8 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if kv.calibrating:
+            kv.calibrate(k, v)
         kernels.store_kv(k, v, kv.k, kv.v, batch.slot_mapping, kv.k_scale, kv.v_scale)
         if batch.is_decode:
             attn = kernels.paged_decode_attention(

@@ -1,0 +1,94 @@
+"""`kvctl plan`: the KV capacity calculator, as a table or JSON."""
+
+import dataclasses
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.config import format_bytes, parse_size
+from engine.planning import PLAN_KV_DTYPES, plan
+
+
+def plan_command(
+    model: Annotated[str, typer.Argument(help="Known name, HF directory, config.json or .gguf file.")] = "smollm2-135m",
+    dtype: Annotated[str, typer.Option(help="Weights / 16-bit KV dtype: bfloat16 | float16 | float32.")] = "bfloat16",
+    kv_cache_memory: Annotated[
+        str | None, typer.Option(help="KV budget, e.g. 8GiB (what the engine's --kv-cache-memory takes).")
+    ] = None,
+    memory: Annotated[
+        str | None, typer.Option(help="Device memory, e.g. 80GiB: the KV gets what the weights leave.")
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    context: Annotated[
+        str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """How much KV a model needs per token, how many tokens and sequences a memory budget holds."""
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise typer.BadParameter("use bfloat16, float16 or float32", param_hint="--dtype")
+    if kv_cache_memory is None and memory is None:
+        memory = "80GiB"
+    try:
+        contexts = [int(c) for c in context.split(",")] if context else None
+    except ValueError:
+        raise typer.BadParameter(
+            "a comma-separated list of token counts, e.g. 2048,8192", param_hint="--context"
+        ) from None
+    if contexts and any(c <= 0 for c in contexts):
+        raise typer.BadParameter("context lengths must be positive", param_hint="--context")
+    p = plan(
+        model,
+        dtype=dtype,
+        kv_cache_memory=parse_size(kv_cache_memory),
+        memory=parse_size(memory),
+        block_size=block_size,
+        contexts=contexts,
+        kv_dtypes=PLAN_KV_DTYPES,
+    )
+    if as_json:
+        body = dataclasses.asdict(p)
+        body["gqa_saving"] = p.gqa_saving
+        print(json.dumps(body, indent=2))
+        return
+    out = Console()
+    budget = f"{format_bytes(p.kv_memory_bytes)} for KV" + (
+        f" ({format_bytes(parse_size(memory))} − {format_bytes(p.weights_bytes)} weights)" if memory else ""
+    )
+    out.print(
+        f"[bold]{p.model}[/bold] ({p.model_type}): {p.layers} layers, {p.heads} query heads, "
+        f"{p.kv_heads} KV heads × {p.head_dim}, {p.parameters / 1e6:.1f} M parameters, "
+        f"{format_bytes(p.weights_bytes)} of {p.dtype} weights; {budget}, blocks of {p.block_size}",
+        highlight=False,
+    )
+    table = Table(title="KV bytes = layers × 2 × kv_heads × head_dim × tokens × bytes/element")
+    table.add_column("KV dtype", no_wrap=True)
+    table.add_column("B/token", justify="right")
+    table.add_column("MHA B/tok", justify="right")
+    table.add_column("blocks", justify="right", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    for c in p.contexts:
+        table.add_column(f"seqs@{c}", justify="right", no_wrap=True)
+    for o in p.options:
+        name = (
+            {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[p.dtype]
+            if o.kv_cache_dtype == "auto"
+            else o.kv_cache_dtype
+        )
+        table.add_row(
+            name,
+            f"{o.bytes_per_token:,}",
+            f"{o.mha_bytes_per_token:,}",
+            f"{o.num_blocks:,}",
+            f"{o.capacity_tokens:,}",
+            *(f"{o.max_seqs[c]:,}" for c in p.contexts),
+        )
+    out.print(table)
+    out.print(
+        f"GQA: {p.heads} query heads share {p.kv_heads} KV heads, so the KV is {p.gqa_saving:.1f}× smaller "
+        f"than the same model with full multi-head KV.",
+        highlight=False,
+    )
