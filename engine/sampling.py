@@ -68,8 +68,16 @@ def sample(
         sub = _apply_top_k_top_p(sub, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows])
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs)
+        # seeded requests draw from their own generator (reproducible whatever the batch); the
+        # rest share the engine's, in one call
+        shared = [row for row, i in enumerate(random_rows) if params[i].seed is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
+                generator=generators[random_rows[shared[0]]]
+            )
         for row, i in enumerate(random_rows):
-            noise[row].exponential_(generator=generators[i])
+            if params[i].seed is not None:
+                noise[row].exponential_(generator=generators[i])
         tokens[idx] = (probs / noise).argmax(dim=-1)
     token_list = tokens.tolist()
     lp = None

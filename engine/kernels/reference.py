@@ -64,11 +64,12 @@ def gather_kv(
 ) -> torch.Tensor:
     """Contiguous `[num_seqs, num_blocks * block_size, kv_heads, head_dim]` view of each table's
     first `num_blocks` blocks, dequantized to `out_dtype`."""
-    tables = block_tables[:, :num_blocks].long()
-    s, _, bs, h, d = tables.shape[0], *cache.shape
-    gathered = cache[tables].view(s, num_blocks * bs, h, d)
+    tables = block_tables[:, :num_blocks].reshape(-1).long()
+    s, (_, bs, h, d) = block_tables.shape[0], cache.shape
+    # index_select is several times faster than advanced indexing for this gather on CPU
+    gathered = cache.index_select(0, tables).view(s, num_blocks * bs, h, d)
     if cache.dtype == torch.int8:
-        sc = scale[tables].view(s, num_blocks * bs, h, 1)
+        sc = scale.index_select(0, tables).view(s, num_blocks * bs, h, 1)
         return (gathered.float() * sc).to(out_dtype)
     if cache.dtype == torch.float8_e4m3fn:
         return (gathered.float() * scale).to(out_dtype)
@@ -106,8 +107,15 @@ def paged_decode_attention(
     k = gather_kv(k_cache, block_tables, nblocks, q.dtype, k_scale)
     v = gather_kv(v_cache, block_tables, nblocks, q.dtype, v_scale)
     positions = torch.arange(nblocks * bs, device=q.device)
-    mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1).to(positions.dtype)).unsqueeze(1)
-    return _attend(q.unsqueeze(1), k, v, mask, scale).squeeze(1)
+    mask = positions.unsqueeze(0) < seq_lens.unsqueeze(1).to(positions.dtype)
+    # the query heads of a GQA group become that KV head's "query length": no K/V repeat
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.reshape(num_seqs, heads, head_dim)
 
 
 def paged_prefill_attention(
