@@ -17,6 +17,7 @@ import torch
 
 from engine.config import EngineConfig, format_bytes
 from engine.errors import ConfigError, EngineDrainingError, InvalidRequestError
+from engine.faults import FaultInjector
 from engine.kernels import get_backend, resolve_backend_name
 from engine.kv.block_manager import BlockManager
 from engine.kv.cache import KVCache
@@ -96,6 +97,7 @@ class LLMEngine:
         self._aborts: deque[tuple[str, str]] = deque()
         self._requeues: deque[str] = deque()
         self._lock = threading.RLock()
+        self._faults = FaultInjector.from_env()
         self._ids = itertools.count()
         self.load_seconds = time.time() - t0
         if not quiet:
@@ -226,9 +228,13 @@ class LLMEngine:
         if not batch:
             return outputs
         t0 = time.perf_counter()
-        logits, sample_idx = self.runner.execute(batch)
-        seqs = [batch.seqs[i] for i in sample_idx]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
+        try:
+            self._faults.maybe_fail(self.step_count, batch)
+            logits, sample_idx = self.runner.execute(batch)
+            seqs = [batch.seqs[i] for i in sample_idx]
+            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            return outputs + self._fail_batch(batch, exc)
         elapsed = time.perf_counter() - t0
         with self._lock:
             self._account(batch, elapsed)
@@ -247,6 +253,20 @@ class LLMEngine:
             self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, usage)
             if self.state == "draining" and not self.seqs:
                 self._set_drained()
+        return outputs
+
+    def _fail_batch(self, batch, exc: Exception) -> list[RequestOutput]:
+        """End every request of a step that raised with reason `error`; the KV they wrote this
+        step is unusable, so their blocks go back (and their prefix hashes are not registered)."""
+        detail = f"{type(exc).__name__}: {exc}"
+        outputs = []
+        with self._lock:
+            self.metrics.event("step_failed", None, f"step {self.step_count}: {detail}; {len(batch.seqs)} requests")
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "error", detail)
+                    outputs.append(self._output(seq, []))
+            self.step_count += 1
         return outputs
 
     def _take_inbox(self, outputs: list[RequestOutput]) -> None:
@@ -322,6 +342,9 @@ class LLMEngine:
         if reason == "abort":
             self.metrics.counters.requests_aborted += 1
             self.metrics.event("aborted", seq.seq_id, detail)
+        elif reason == "error":
+            self.metrics.counters.requests_failed += 1
+            self.metrics.event("failed", seq.seq_id, detail)
         else:
             self.metrics.counters.requests_finished += 1
             self.metrics.e2e.observe(now - seq.metrics.arrival_time, now)

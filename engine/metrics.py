@@ -68,6 +68,7 @@ class Counters:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0
     prefill_tokens: int = 0  # for the measured prefill speed
     prefill_seconds: float = 0.0
 

@@ -99,6 +99,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "generation_tokens": m.counters.generation_tokens,
             "requests_finished": m.counters.requests_finished,
             "requests_aborted": m.counters.requests_aborted,
+            "requests_failed": m.counters.requests_failed,
         },
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
