@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU check, for a CUDA machine (a fresh one is fine): the Triton kernel tests compiled (no
+# interpreter), then the kernel benchmark. Logs and JSON go to $OUT when it is set, else to
+# out/gpu_check/. About 5-7 minutes on an H200; exits non-zero when a step fails.
+#
+#     benchmarks/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out="${OUT:-out/gpu_check}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && py=.venv/bin/python
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
+# the source tree wins over any stale install, and works when the install below cannot
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: $py sees no CUDA GPU (or no torch); nothing to check" >&2
+    exit 2
+fi
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+
+# Install what is missing, quietly. The project itself without its dependencies (the kernels need
+# only torch and triton, and a machine without a network cannot fetch the rest); pytest if absent.
+{
+    if ! "$py" -m pip show -q kvtop >/dev/null 2>&1; then
+        "$py" -m pip install -q --no-deps --no-build-isolation -e . ||
+            echo "gpu_check: 'pip install -e .' failed; using the source tree on PYTHONPATH"
+    fi
+    for mod in pytest triton; do
+        "$py" -c "import $mod" 2>/dev/null || "$py" -m pip install -q --retries 1 --timeout 20 "$mod"
+    done
+} >"$out/install.log" 2>&1
+if ! "$py" -c 'import pytest, triton, engine.kernels.triton' 2>>"$out/install.log"; then
+    echo "gpu_check: pytest, triton or engine.kernels.triton cannot be imported; see $out/install.log" >&2
+    exit 3
+fi
+
+status=0
+echo "== pytest tests/test_triton_kernels.py (compiled)"
+timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+    --junitxml="$out/pytest.xml" 2>&1 | tee "$out/pytest.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && { echo "gpu_check: kernel tests failed (exit $rc)"; status=1; }
+
+echo "== python benchmarks/kernels.py"
+timeout 200 "$py" benchmarks/kernels.py --time-budget 150 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && { echo "gpu_check: kernel benchmark failed (exit $rc)"; status=1; }
+
+echo "gpu_check: $([ $status -eq 0 ] && echo ok || echo FAILED); logs in $out"
+exit $status
