@@ -1,4 +1,4 @@
-# kvtop — `make demo` runs the main job on the default model; `make test` runs the tests.
+# kvtop — `make demo` serves the default model and drives a load at it; `make test` runs the tests.
 # Both create .venv and install what they need on a fresh machine.
 
 PY        ?= python3
@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(BIN)/python -c "from engine.model.loader import resolve_model_dir; print(resolve_model_dir('$(MODEL)'))"
 
+# the server on $(MODEL) in the background, a mixed load through the OpenAI API, a summary, a clean stop
 demo: model
-	$(BIN)/kvctl run kvtop/data/demo_prompts.jsonl -o demo_outputs.jsonl
+	$(BIN)/python -m kvtop.demo --model $(MODEL)
+
+completions: $(STAMP)
+	$(BIN)/python -m kvtop.completion completions
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

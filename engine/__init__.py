@@ -1,18 +1,28 @@
-"""kvtop's inference engine: a paged KV cache, continuous batching, and the numbers to watch."""
+"""kvtop's inference engine: a paged KV cache, continuous batching, and the numbers to watch.
 
-from engine.config import EngineConfig
-from engine.errors import (
-    ConfigError,
-    EngineDrainingError,
-    EngineError,
-    InvalidRequestError,
-    ModelLoadError,
-    UnsupportedArchitectureError,
-)
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+Exports load lazily (PEP 562) so that light users of the package — `kvctl status`, shell
+completion, the dashboard — can import `engine.config` or `engine.snapshot` without paying for
+torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "ConfigError": "engine.errors",
+    "EngineConfig": "engine.config",
+    "EngineDrainingError": "engine.errors",
+    "EngineError": "engine.errors",
+    "InvalidRequestError": "engine.errors",
+    "LLMEngine": "engine.llm_engine",
+    "ModelLoadError": "engine.errors",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling",
+    "UnsupportedArchitectureError": "engine.errors",
+}
 
 __all__ = [
     "LLM",
@@ -27,3 +37,31 @@ __all__ = [
     "SamplingParams",
     "UnsupportedArchitectureError",
 ]
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.errors import (
+        ConfigError,
+        EngineDrainingError,
+        EngineError,
+        InvalidRequestError,
+        ModelLoadError,
+        UnsupportedArchitectureError,
+    )
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import RequestOutput
+    from engine.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import ModelLoadError
-from engine.kv.cache import bytes_per_token, num_blocks_for
-from engine.model.llama import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.model.llama import ModelSpec
 
 PLAN_KV_DTYPES = ("auto", "fp8_e4m3", "int8")
 
@@ -96,6 +96,10 @@ def plan(
 ) -> Plan:
     """Figures for a KV budget given directly (`kv_cache_memory`) or as what `memory` leaves after
     the weights."""
+    import torch
+
+    from engine.kv.cache import bytes_per_token, num_blocks_for
+
     spec, _ = spec_for(model)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     params = parameter_count(spec)

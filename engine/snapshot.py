@@ -87,6 +87,7 @@ def write_snapshot(
         raise SnapshotError("nothing to snapshot: the flight recorder holds no frame yet")
     path = Path(path).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         db = sqlite_utils.Database(tmp, recreate=True)
@@ -119,6 +120,13 @@ def write_snapshot(
             block_rows(last, block_refs),
             columns={"block_id": int, "state": str, "ref_count": int, "seq_ids": str},
         )
+        # insert_all of no rows creates no table: an idle engine still writes a readable file
+        for name, columns in (
+            ("events", {"ts": float, "kind": str, "seq_id": str, "detail": str}),
+            ("sequences", {"id": str, "state": str, "block_ids": str}),
+        ):
+            if not db[name].exists():
+                db[name].create(columns)
         db.conn.commit()
         db.close()
         os.replace(tmp, path)
@@ -126,6 +134,21 @@ def write_snapshot(
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Temp files (and SQLite journals) of writers that died mid-write, e.g. SIGKILLed."""
+    for f in directory.glob(".*.kvsnap.*.tmp*"):
+        try:
+            pid = int(f.name.split(".kvsnap.", 1)[1].split(".", 1)[0])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def read_snapshot(path: str | Path) -> Snapshot:

@@ -1,20 +1,45 @@
 """kvctl: the operator's command line. Each command is a thin shell over a library function."""
 
+import importlib
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer.core import TyperGroup
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.server.config import TRIGGERS, ServerConfig
+from kvtop.client import EngineClient, EngineRequestError, EngineUnavailable
 from kvtop.options import with_engine_options
 
+
+class _Commands(TyperGroup):
+    """kvctl's command group, with commands whose modules import torch loaded only when used
+    (run, or listed by --help), so that `kvctl status`, `drain` or a completion stay instant."""
+
+    LAZY: ClassVar[dict[str, tuple[str, str]]] = {"plan": ("kvtop.plan_cmd", "plan_command")}
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx, name: str):
+        if name in self.LAZY and name not in self.commands:
+            module, attr = self.LAZY[name]
+            single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+            single.command(name)(getattr(importlib.import_module(module), attr))
+            self.commands[name] = typer.main.get_command(single)
+        return super().get_command(ctx, name)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="kvctl",
     help="Run, watch and steer a kvtop engine: serve, run, status, drain, resume, evict, snapshot, replay, bench, plan.",
     no_args_is_help=True,
@@ -128,13 +153,308 @@ def run(
     out.print(table)
 
 
+from kvtop.bench_cmd import bench_app  # noqa: E402
+
+# `plan` is registered in _Commands.LAZY: kvtop.plan_cmd imports torch
+app.add_typer(bench_app, name="bench")
+
+
+# ---- serving ---------------------------------------------------------------------------
+_SERVER = ServerConfig.__dataclass_fields__
+_S = "Server"
+
+
+def _default(name: str):
+    f = _SERVER[name]
+    return f.default
+
+
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket", help="Control socket (default: $KVTOP_SOCKET, else $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock)."
+    ),
+]
+
+
+@app.command()
+@with_engine_options
+def serve(
+    host: Annotated[str, typer.Option(help="Address of the OpenAI API.", rich_help_panel=_S)] = _default("host"),
+    port: Annotated[int, typer.Option(help="Port of the OpenAI API (0: any free one).", rich_help_panel=_S)] = _default(
+        "port"
+    ),
+    socket: SocketOption = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="KVTOP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.", rich_help_panel=_S),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait beyond max-num-seqs; more get 429.", rich_help_panel=_S)
+    ] = _default("max_queue"),
+    stats_interval: Annotated[
+        float, typer.Option(help="Seconds between flight-recorder frames.", rich_help_panel=_S)
+    ] = _default("stats_interval"),
+    history: Annotated[
+        float, typer.Option(help="Seconds of frames the flight recorder keeps.", rich_help_panel=_S)
+    ] = _default("history"),
+    drain_timeout: Annotated[
+        float, typer.Option(help="On SIGTERM: drain this long, abort the rest, exit.", rich_help_panel=_S)
+    ] = _default("drain_timeout"),
+    snapshot_dir: Annotated[
+        Path | None, typer.Option(help="Where snapshots go (default: $KVTOP_CACHE/snapshots).", rich_help_panel=_S)
+    ] = None,
+    snapshot_on: Annotated[
+        str | None,
+        typer.Option(help=f"Automatic snapshots, comma-separated: {', '.join(TRIGGERS)}.", rich_help_panel=_S),
+    ] = None,
+    storm_preemptions: Annotated[
+        int, typer.Option(help="preemption-storm: this many preemptions ...", rich_help_panel=_S)
+    ] = _default("storm_preemptions"),
+    storm_window: Annotated[float, typer.Option(help="... within this many seconds.", rich_help_panel=_S)] = _default(
+        "storm_window"
+    ),
+    slo_ttft: Annotated[
+        float, typer.Option(help="slo-breach: TTFT P99 over the last minute above this (s).", rich_help_panel=_S)
+    ] = _default("slo_ttft"),
+    slo_itl: Annotated[
+        float, typer.Option(help="slo-breach: ITL P99 over the last minute above this (s).", rich_help_panel=_S)
+    ] = _default("slo_itl"),
+    snapshot_cooldown: Annotated[
+        float, typer.Option(help="Seconds before the same trigger fires again.", rich_help_panel=_S)
+    ] = _default("snapshot_cooldown"),
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.", rich_help_panel=_S)] = "warning",
+    *,
+    config: EngineConfig,
+) -> None:
+    """Serve the OpenAI API, Prometheus metrics and the stats/control socket until SIGTERM."""
+    from engine.server.app import serve as run_server
+
+    server = ServerConfig(
+        host=host,
+        port=port,
+        socket=socket,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        stats_interval=stats_interval,
+        history=history,
+        drain_timeout=drain_timeout,
+        snapshot_on=ServerConfig.parse_triggers(snapshot_on),
+        storm_preemptions=storm_preemptions,
+        storm_window=storm_window,
+        slo_ttft=slo_ttft,
+        slo_itl=slo_itl,
+        snapshot_cooldown=snapshot_cooldown,
+        **({"snapshot_dir": snapshot_dir.expanduser().resolve()} if snapshot_dir else {}),
+    )
+    raise typer.Exit(run_server(config, server, log_level=log_level))
+
+
+# ---- control ---------------------------------------------------------------------------
+def _client(socket: Path | None) -> EngineClient:
+    return EngineClient(socket)
+
+
+@app.command()
+def status(
+    socket: SocketOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the whole stats frame as JSON.")] = False,
+) -> None:
+    """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
+    from kvtop.summary import render_status
+
+    with _client(socket) as c:
+        frame = c.stats()
+    if json_out:
+        print(json.dumps(frame, indent=2))
+        return
+    out.print(render_status(frame, out.width))
+
+
+@app.command()
+def drain(
+    socket: SocketOption = None,
+    timeout: Annotated[float | None, typer.Option(help="Give up (exit 1) after this many seconds.")] = None,
+    abort_after: Annotated[
+        bool, typer.Option("--abort-after", help="At the timeout, abort what is left (finish reason abort).")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+) -> None:
+    """Stop admitting new requests and wait while those in flight finish. Exit 0 once drained."""
+    if abort_after and timeout is None:
+        raise CLIError("--abort-after needs --timeout SECONDS")
+    t0 = time.monotonic()
+    with _client(socket) as c:
+        r = c.drain(timeout, abort_after)
+        total = max(1, r["in_flight"])
+        grace = 10.0 if abort_after else 0.0  # the engine aborts at the deadline; give it time to
+        with Progress(
+            TextColumn("[bold]draining"),
+            BarColumn(),
+            TextColumn("{task.fields[left]} in flight"),
+            TimeElapsedColumn(),
+            console=err,
+            disable=quiet,
+        ) as progress:
+            task = progress.add_task("drain", total=total, left=r["in_flight"])
+            while True:
+                frame = c.stats()
+                state = frame["engine"]["state"]
+                left = frame["scheduler"]["running"] + frame["scheduler"]["waiting"]
+                progress.update(task, completed=total - min(left, total), left=left)
+                if state == "drained":
+                    break
+                if state == "running":
+                    raise CLIError("the engine was resumed while draining")
+                if timeout is not None and time.monotonic() - t0 > timeout + grace:
+                    raise CLIError(
+                        f"still {left} requests in flight after {timeout:g} s; the engine stays draining "
+                        "(`kvctl resume` admits again; --abort-after ends them)"
+                    )
+                time.sleep(0.2)
+    info = (frame.get("server") or {}).get("drain") or {}
+    aborted = info.get("aborted", 0)
+    tail = f", {aborted} aborted at the timeout" if aborted else ""
+    out.print(f"drained in {time.monotonic() - t0:.1f} s{tail}; `kvctl resume` admits again")
+
+
+@app.command()
+def resume(socket: SocketOption = None) -> None:
+    """Admit new requests again after a drain."""
+    with _client(socket) as c:
+        r = c.resume()
+    out.print(f"engine {r['state']}")
+
+
+@app.command()
+def evict(
+    seq: Annotated[str | None, typer.Option("--seq", help="Take back this sequence's KV blocks.")] = None,
+    requeue: Annotated[bool, typer.Option(help="With --seq: recompute it later instead of aborting it.")] = False,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache", help="Drop every free cached prefix block.")] = False,
+    blocks: Annotated[int | None, typer.Option(help="Drop this many least recently used cached blocks.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    socket: SocketOption = None,
+) -> None:
+    """Free KV memory: one sequence (aborted or requeued), or cached prefix blocks."""
+    if sum([seq is not None, prefix_cache, blocks is not None]) != 1:
+        raise CLIError("give exactly one of --seq ID, --prefix-cache or --blocks N")
+    if requeue and seq is None:
+        raise CLIError("--requeue goes with --seq ID")
+    if blocks is not None and blocks < 1:
+        raise CLIError("--blocks must be at least 1")
+    with _client(socket) as c:
+        frame = c.stats()
+        if seq is not None:
+            s = next((x for x in frame.get("sequences", []) if x["id"] == seq), None)
+            if s is None:
+                raise CLIError(f"no sequence {seq!r} in flight (`kvctl status` lists them)")
+            what = (
+                f"evict sequence {seq} ({s['state']}, {s['prompt_tokens'] + s['output_tokens']} tokens, "
+                f"{s['num_blocks']} blocks); "
+                + ("it will be recomputed" if requeue else "its client gets finish reason abort")
+            )
+        elif prefix_cache:
+            what = f"drop all {frame['kv']['cached']} cached prefix blocks"
+        else:
+            what = f"drop the {blocks} least recently used cached prefix blocks (of {frame['kv']['cached']})"
+        if not yes:
+            try:
+                ok = typer.confirm(f"{what[0].upper()}{what[1:]}?", default=False, err=True)
+            except typer.Abort:
+                ok = False
+            if not ok:
+                raise CLIError("not confirmed; nothing evicted (--yes skips the question)")
+        body = {"seq_id": seq, "requeue": requeue} if seq is not None else (
+            {"prefix_cache": True} if prefix_cache else {"blocks": blocks}
+        )  # fmt: skip
+        r = c.evict(**body)
+    if r["evicted"] == "sequence":
+        out.print(f"evicted {r['seq_id']}" + (" (requeued)" if r.get("requeue") else ""))
+    else:
+        out.print(f"dropped {r['blocks']} cached prefix blocks")
+
+
+@app.command()
+def snapshot(
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here (default: the server's snapshot dir).")
+    ] = None,
+    reason: Annotated[str, typer.Option(help="Why: recorded in the snapshot.")] = "manual",
+    socket: SocketOption = None,
+) -> None:
+    """Write a snapshot: the flight recorder's frames, events, sequences and block table."""
+    path = str(output.expanduser().resolve()) if output else None
+    with _client(socket) as c:
+        r = c.snapshot(path, reason)
+    out.print(r["path"], highlight=False, soft_wrap=True)
+
+
+@app.command()
+def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")]) -> None:
+    """Open a snapshot in the kvtop dashboard (after checking it is a readable snapshot)."""
+    import inspect
+
+    from engine.snapshot import read_snapshot
+
+    snap = read_snapshot(file)  # SnapshotError: one line and exit 1 (main)
+    from kvtop import app as dashboard
+
+    try:
+        takes_argv = bool(inspect.signature(dashboard.main).parameters)
+    except (TypeError, ValueError):
+        takes_argv = False
+    if takes_argv:
+        raise typer.Exit(dashboard.main(["--replay", str(file)]) or 0)
+    meta = snap.meta
+    span = snap.frames[-1]["ts"] - snap.frames[0]["ts"]
+    out.print(
+        f"{file}: snapshot of {meta.get('model')} ({meta.get('reason')}), {len(snap.frames)} frames over "
+        f"{span:.0f} s, {len(snap.events)} events, {len(snap.sequences)} sequences, {len(snap.blocks)} blocks",
+        highlight=False,
+        soft_wrap=True,
+    )
+    err.print("kvctl: the kvtop dashboard is not available yet, so there is nothing to replay it in")
+
+
+@app.command()
+def completion(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.")],
+    prog: Annotated[str, typer.Option(help="The program to complete: kvctl or kvtop.")] = "kvctl",
+) -> None:
+    """Print a shell completion script (see README: Shell completion)."""
+    from kvtop.completion import script
+
+    try:
+        sys.stdout.write(script(prog, shell))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and a non-zero exit, never a traceback."""
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, prog_name="kvctl", standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as exc:  # usage errors: one line, not typer's boxed panel
+        ctx = getattr(exc, "ctx", None)
+        if not exc.format_message():  # no arguments: the help was printed, nothing to add
+            sys.exit(exc.exit_code)
+        where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        err.print(f"[red]kvctl:[/red] {exc.format_message()}{where}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("kvctl: aborted")
+        sys.exit(1)
     except CLIError as exc:
         err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.code)
+    except EngineUnavailable as exc:
+        err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except EngineRequestError as exc:
+        err.print(f"[red]kvctl:[/red] the engine refused: {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except EngineError as exc:
         err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)

@@ -6,11 +6,14 @@ Path: `--socket`, else `KVTOP_SOCKET`, else `${XDG_RUNTIME_DIR:-/tmp}/kvtop-$UID
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from engine.server.sockets import default_socket_path, resolve_socket
+
+__all__ = ["EngineClient", "EngineRequestError", "EngineUnavailable", "default_socket_path", "resolve_socket"]
 
 
 class EngineUnavailable(Exception):
@@ -24,17 +27,9 @@ class EngineUnavailable(Exception):
 class EngineRequestError(Exception):
     """The engine answered with an error."""
 
-
-def default_socket_path() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"kvtop-{os.getuid()}" / "engine.sock"
-
-
-def resolve_socket(path: str | Path | None = None) -> Path:
-    if path:
-        return Path(path).expanduser()
-    env = os.environ.get("KVTOP_SOCKET")
-    return Path(env).expanduser() if env else default_socket_path()
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class EngineClient:
@@ -60,7 +55,7 @@ class EngineClient:
             raise EngineUnavailable(self.path, "no socket")
         try:
             r = self._http.request(method, url, **kw)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError, ConnectionRefusedError) as exc:
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, OSError) as exc:
             raise EngineUnavailable(self.path, type(exc).__name__) from None
         except httpx.TimeoutException:
             raise EngineUnavailable(self.path, "timed out") from None
@@ -70,7 +65,7 @@ class EngineClient:
             body = {"error": {"message": r.text}}
         if r.status_code >= 400:
             msg = body.get("error", {}).get("message") if isinstance(body, dict) else str(body)
-            raise EngineRequestError(msg or f"HTTP {r.status_code}")
+            raise EngineRequestError(msg or f"HTTP {r.status_code}", r.status_code)
         return body
 
     def healthz(self) -> dict:

@@ -1,0 +1,157 @@
+"""`kvctl serve`: one engine, two uvicorn servers (TCP for the OpenAI API and /metrics, a Unix
+socket for stats and control) in one event loop, and the signals an operator sends.
+
+- SIGTERM / SIGINT: drain — stop admitting, let requests in flight finish for up to
+  `drain_timeout` seconds, abort what is left — then exit 0. A second one exits at once.
+- SIGUSR1: write a snapshot into `snapshot_dir`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from engine.config import EngineConfig, format_bytes
+from engine.model.loader import log
+from engine.server.config import ServerConfig
+from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: this process handles signals once for both."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _uvicorn_config(app, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=3, ws="none"
+    )
+
+
+def startup_summary(engine, config: ServerConfig, api_url: str, socket_path: Path) -> str:
+    kv = engine.kv
+    cap = kv.num_blocks * kv.block_size
+    name = engine.config.served_model_name or engine.config.model
+    spec = engine.spec
+    auto = ", ".join(config.snapshot_on) if config.snapshot_on else "off"
+    lines = [
+        f"kvtop serve: model {name} ({spec.model_type}, {spec.num_layers} layers) on {engine.device}, "
+        f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attention_backend}",
+        f"  KV cache  {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, {kv.num_blocks} blocks × {kv.block_size} "
+        f"= {cap} tokens in {format_bytes(kv.total_bytes)}; max_model_len {engine.max_model_len}, "
+        f"max_num_seqs {engine.config.max_num_seqs}, queue {config.max_queue}",
+        f"  OpenAI    {api_url}/v1  (completions, chat/completions, models)"
+        + ("  API key required" if config.api_key else ""),
+        f"  metrics   {api_url}/metrics    health {api_url}/health",
+        f"  control   {socket_path}  (kvctl status | drain | evict | snapshot; kvtop)",
+        f"  recorder  a frame every {config.stats_interval:g} s for {config.history:g} s; "
+        f"auto snapshots: {auto} → {config.snapshot_dir}",
+    ]
+    return "\n".join(lines)
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
+    """Run until drained by a signal; returns the exit code."""
+    from engine.llm_engine import LLMEngine
+
+    socket_path = resolve_socket(config.socket)
+    check_socket(socket_path)  # fail before spending seconds on the model
+    tcp = bind_tcp(config.host, config.port)
+    try:
+        engine = LLMEngine(engine_config, quiet=True)
+        uds = bind_unix(socket_path)
+    except BaseException:
+        tcp.close()
+        raise
+    port = tcp.getsockname()[1]
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    api_url = f"http://{host}:{port}"
+    try:
+        return asyncio.run(_serve(engine, config, tcp, uds, socket_path, api_url, log_level))
+    finally:
+        with contextlib.suppress(OSError):
+            if socket_path.is_socket():
+                socket_path.unlink()
+
+
+async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str) -> int:
+    from engine.server.api import build_api
+    from engine.server.control import build_control
+    from engine.server.loop import EngineLoop
+    from engine.server.metrics import make_registry
+
+    aloop = asyncio.get_running_loop()
+    loop = EngineLoop(engine, config)
+    loop.addresses = {"api": api_url, "metrics": f"{api_url}/metrics", "socket": str(socket_path)}
+    stopping = asyncio.Event()
+    api_server = _Server(_uvicorn_config(build_api(loop, make_registry(loop)), log_level))
+    ctl_server = _Server(_uvicorn_config(build_control(loop, stopping), log_level))
+    servers = (api_server, ctl_server)
+    loop.start(aloop)
+
+    def exit_now() -> None:
+        stopping.set()
+        for s in servers:
+            s.should_exit = True
+
+    async def exit_when_drained() -> None:
+        while engine.state != "drained" or loop.inflight:
+            await asyncio.sleep(0.05)
+        log("drained; exiting")
+        exit_now()
+
+    terminating = False
+    tasks: list[asyncio.Task] = []
+
+    def on_terminate(signame: str) -> None:
+        nonlocal terminating
+        if terminating:
+            log(f"{signame} again: aborting what is left and exiting now")
+            for request_id in list(engine.seqs):
+                engine.abort(request_id, "server exiting")
+            for s in servers:
+                s.force_exit = True
+            exit_now()
+            return
+        terminating = True
+        log(f"{signame}: draining (up to {config.drain_timeout:g} s), then exiting")
+        loop.drain(config.drain_timeout, abort_after=True)
+        tasks.append(aloop.create_task(exit_when_drained()))
+
+    def on_usr1() -> None:
+        def write() -> None:
+            try:
+                log(f"SIGUSR1: snapshot written to {loop.snapshot(reason='sigusr1')}")
+            except Exception as exc:
+                log(f"SIGUSR1: snapshot failed: {exc}")
+
+        threading.Thread(target=write, name="kvtop-snapshot", daemon=True).start()
+
+    aloop.add_signal_handler(signal.SIGTERM, on_terminate, "SIGTERM")
+    aloop.add_signal_handler(signal.SIGINT, on_terminate, "SIGINT")
+    aloop.add_signal_handler(signal.SIGUSR1, on_usr1)
+    print(startup_summary(engine, config, api_url, socket_path), flush=True)
+    t0 = time.time()
+    try:
+        await asyncio.gather(api_server.serve(sockets=[tcp]), ctl_server.serve(sockets=[uds]))
+    finally:
+        stopping.set()
+        loop.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            aloop.remove_signal_handler(sig)
+    log(f"served for {time.time() - t0:.0f} s; bye")
+    return 0
+
+
+if __name__ == "__main__":  # python -m engine.server.app: same as `kvctl serve` with defaults
+    sys.exit(serve(EngineConfig(), ServerConfig()))

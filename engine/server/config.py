@@ -1,0 +1,65 @@
+"""ServerConfig: every knob of `kvctl serve` that is not an engine knob, with its default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ConfigError, EngineError
+
+TRIGGERS = ("preemption-storm", "slo-breach", "queue-full")
+
+
+def default_snapshot_dir() -> Path:
+    from engine.model.loader import cache_dir
+
+    return cache_dir() / "snapshots"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (reported in the startup summary and /v1/healthz)
+    socket: Path | None = None  # None: KVTOP_SOCKET, else the default path (kvtop.client)
+    api_key: str | None = None
+    max_queue: int = 256  # requests waiting beyond the max_num_seqs that can run
+    stats_interval: float = 0.5  # seconds between flight-recorder frames
+    history: float = 600.0  # seconds of frames the flight recorder keeps
+    drain_timeout: float = 30.0  # SIGTERM: drain this long, then abort what is left and exit
+    snapshot_dir: Path = field(default_factory=default_snapshot_dir)
+    snapshot_on: tuple[str, ...] = ()
+    storm_preemptions: int = 20  # preemption storm: this many preemptions ...
+    storm_window: float = 10.0  # ... within this many seconds
+    slo_ttft: float = 2.0  # SLO breach: TTFT P99 over the last minute above this (s) ...
+    slo_itl: float = 0.5  # ... or ITL P99 above this (s)
+    slo_min_requests: int = 5  # ... once the minute holds at least this many samples
+    snapshot_cooldown: float = 300.0  # seconds before the same trigger fires again
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.snapshot_on if t not in TRIGGERS]
+        if unknown:
+            raise ConfigError(f"unknown snapshot trigger {', '.join(unknown)}: use {', '.join(TRIGGERS)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is not in 0..65535")
+        if self.max_queue < 0:
+            raise ConfigError("max_queue must be >= 0")
+        if self.stats_interval <= 0:
+            raise ConfigError("stats_interval must be positive (seconds)")
+        if self.history < self.stats_interval:
+            raise ConfigError("history must be at least one stats interval (seconds)")
+        if self.drain_timeout < 0:
+            raise ConfigError("drain_timeout must be >= 0 (seconds)")
+        if self.storm_preemptions < 1 or self.storm_window <= 0:
+            raise ConfigError("storm_preemptions must be >= 1 and storm_window positive")
+        if self.snapshot_cooldown < 0:
+            raise ConfigError("snapshot_cooldown must be >= 0 (seconds)")
+
+    @staticmethod
+    def parse_triggers(value: str | None) -> tuple[str, ...]:
+        if not value:
+            return ()
+        return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+class ServeError(EngineError):
+    """The server cannot start as asked (socket taken, port busy, bad setting)."""

@@ -1,0 +1,107 @@
+"""The control routes on the Unix socket (DESIGN §5): stats, the frame stream, history, drain,
+resume, evict, snapshot, healthz. The socket's file mode is the access control (0600)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from engine.server.api import install_error_handlers, read_request
+from engine.server.loop import EngineLoop
+from engine.server.protocol import APIError, DrainRequest, EvictRequest, SnapshotRequest
+from engine.snapshot import SnapshotError
+
+MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
+
+
+def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
+    engine = loop.engine
+    app = FastAPI(title="kvtop control", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.get("/v1/healthz")
+    async def healthz():
+        return {
+            "status": "ok" if loop.running else "engine thread stopped",
+            "state": engine.state,
+            "model": engine.config.served_model_name or engine.config.model,
+            "pid": os.getpid(),
+            "uptime_s": time.time() - engine.start_time,
+            **loop.addresses,
+        }
+
+    @app.get("/v1/stats")
+    def stats():
+        return loop.frame()
+
+    @app.get("/v1/stats/stream")
+    async def stats_stream(interval: float = 0.5):
+        if not MIN_INTERVAL <= interval <= MAX_INTERVAL:
+            raise APIError(400, f"interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds", param="interval")
+
+        async def lines():
+            while not stopping.is_set():
+                t0 = time.monotonic()
+                frame = await run_in_threadpool(loop.frame)
+                yield json.dumps(frame, separators=(",", ":")) + "\n"
+                try:
+                    await asyncio.wait_for(stopping.wait(), timeout=max(0.0, interval - (time.monotonic() - t0)))
+                except asyncio.TimeoutError:
+                    pass
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get("/v1/history")
+    def history(since: float | None = None):
+        frames = loop.recorder.snapshot_frames()
+        events = list(engine.metrics.events)
+        if since is not None:
+            frames = [f for f in frames if f["ts"] > since]
+            events = [e for e in events if e["ts"] > since]
+        return {
+            "interval_s": loop.recorder.interval_s,
+            "history_s": loop.recorder.history_s,
+            "frames": frames,
+            "events": events,
+        }
+
+    @app.post("/v1/drain")
+    async def drain(request: Request):
+        req = await read_request(request, DrainRequest)
+        return loop.drain(req.timeout_s, req.abort_after)
+
+    @app.post("/v1/resume")
+    async def resume():
+        return loop.resume()
+
+    @app.post("/v1/evict")
+    async def evict(request: Request):
+        req = await read_request(request, EvictRequest)
+        chosen = [x for x in (req.seq_id is not None, req.prefix_cache, req.blocks is not None) if x]
+        if len(chosen) != 1:
+            raise APIError(400, "give exactly one of seq_id, prefix_cache: true, or blocks: N")
+        if req.seq_id is not None:
+            if not loop.evict_sequence(req.seq_id, req.requeue):
+                raise APIError(404, f"no sequence {req.seq_id!r} in flight", param="seq_id", code="not_found")
+            return {"evicted": "sequence", "seq_id": req.seq_id, "requeue": req.requeue}
+        n = loop.evict_prefix_cache(None if req.prefix_cache else req.blocks)
+        return {"evicted": "prefix_cache", "blocks": n}
+
+    @app.post("/v1/snapshot")
+    async def snapshot(request: Request):
+        req = await read_request(request, SnapshotRequest)
+        try:
+            path = await run_in_threadpool(loop.snapshot, req.path, req.reason)
+        except (OSError, SnapshotError) as exc:
+            where = req.path or str(loop.config.snapshot_dir)
+            raise APIError(400, f"cannot write a snapshot to {where}: {exc}", param="path") from None
+        return {"path": str(Path(path))}
+
+    return app

@@ -1,0 +1,239 @@
+"""The OpenAI request bodies as pydantic models, and OpenAI-style errors.
+
+Validation is strict (a string is not a number, `1.0` is not an integer) so that a client bug
+shows as a 400 naming the parameter instead of a quietly different request. Fields this engine
+cannot honour are refused when set to anything but their neutral value, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_N = 16
+MAX_STOP = 16
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class APIError(Exception):
+    """An answer with an OpenAI error body: `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 that says what is wrong with it."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=no_constants)
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", "literal"}
+
+
+def _param(loc: tuple) -> str | None:
+    """`('messages', 0, 'role')` → `messages[0].role`; stops at pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def validate(model: type[BaseModel], body: Any) -> BaseModel:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = _param(err["loc"])
+        kind = err["type"]
+        if kind == "missing":
+            code, msg = "missing_required_parameter", f"missing required parameter '{param}'"
+        else:
+            code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+            msg = err["msg"].removeprefix("Value error, ")
+            msg = f"{param}: {msg}" if param else msg
+        raise APIError(400, msg, param=param, code=code) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    def unsupported(self) -> None:
+        """Refuse what the engine cannot do rather than ignore it."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by this engine: leave it unset or 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this engine", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        """str | list[str] | list[int] | list[list[int]], not empty."""
+        msg = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if v is None:
+            raise ValueError("is required")
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError(msg if not isinstance(v, list) else "must not be an empty list")
+        if all(isinstance(x, str) for x in v):
+            return v
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return v
+        if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in v):
+            return v
+        raise ValueError(msg)
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported by this engine", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this engine", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by this engine", param="best_of")
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text or "" for p in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    response_format: ResponseFormat | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
+                        raise APIError(
+                            400,
+                            f"content part type {part.type!r} is not supported: send text",
+                            param=f"messages[{i}].content[{j}].type",
+                        )
+        if self.tools:
+            raise APIError(400, "tools are not supported by this engine", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class DrainRequest(_Strict):
+    timeout_s: float | None = Field(None, gt=0)
+    abort_after: bool = False
+
+
+class EvictRequest(_Strict):
+    seq_id: str | None = None
+    requeue: bool = False
+    prefix_cache: bool = False
+    blocks: int | None = Field(None, ge=1)
+
+
+class SnapshotRequest(_Strict):
+    path: str | None = None
+    reason: str = Field("manual", min_length=1, max_length=200)

@@ -1,0 +1,472 @@
+"""`kvctl bench`: a load generator for any OpenAI-compatible server, measured at the client.
+
+Every request streams (`/v1/completions`, `stream_options.include_usage`), so TTFT and each
+inter-token gap are seen as a user sees them. Arrivals are Poisson (or gamma with a burstiness
+factor, as vLLM's benchmark) at `request_rate`, or as fast as `max_concurrency` allows. When the
+server is ours, its own view (prefix hit rate, preemptions, peak KV usage) comes from `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "all",
+    "she",
+    "there",
+    "would",
+    "their",
+    "we",
+    "him",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "cache",
+    "memory",
+    "block",
+    "token",
+    "request",
+    "latency",
+]
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- datasets -------------------------------------------------------------------------------
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
+
+
+def random_dataset(n: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int) -> list[BenchRequest]:
+    """Prompts of about `input_len` words (≈ tokens for these common words)."""
+    rng = random.Random(seed)
+    return [BenchRequest(_words(rng, rng.randint(*input_len)), rng.randint(*output_len)) for _ in range(n)]
+
+
+def shared_prefix_dataset(
+    n: int, groups: int, system_len: int, question_len: int, output_len: tuple[int, int], seed: int
+) -> list[BenchRequest]:
+    """`groups` system prompts, each shared by n / groups requests with distinct questions."""
+    rng = random.Random(seed)
+    systems = [_words(rng, system_len) for _ in range(groups)]
+    out = [
+        BenchRequest(f"{systems[i % groups]}\nQuestion: {_words(rng, question_len)}", rng.randint(*output_len))
+        for i in range(n)
+    ]
+    rng.shuffle(out)
+    return out
+
+
+def long_context_dataset(
+    n: int, input_len: tuple[int, int], output_len: tuple[int, int], long_share: float, long_factor: int, seed: int
+) -> list[BenchRequest]:
+    """Mostly ordinary prompts, a `long_share` of them `long_factor` times longer."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        length = rng.randint(*input_len)
+        if rng.random() < long_share:
+            length *= long_factor
+        reqs.append(BenchRequest(_words(rng, length), rng.randint(*output_len)))
+    return reqs
+
+
+def jsonl_dataset(path: Path, n: int | None, output_len: tuple[int, int], seed: int) -> list[BenchRequest]:
+    """A file of `{"prompt": ..., "max_tokens"?: ...}` lines."""
+    rng = random.Random(seed)
+    reqs = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompt = obj["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt'") from None
+        reqs.append(BenchRequest(str(prompt), int(obj.get("max_tokens") or rng.randint(*output_len))))
+    if not reqs:
+        raise ValueError(f"{path} holds no prompts")
+    if n:
+        reqs = (reqs * (n // len(reqs) + 1))[:n]
+    return reqs
+
+
+# ---- arrivals and requests ------------------------------------------------------------------
+def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: Poisson at burstiness 1, gamma otherwise; 0 at inf rate."""
+    if request_rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return list(rng.gamma(shape=burstiness, scale=theta, size=n))
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, ignore_eos: bool, headers: dict
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    res = RequestResult(ok=False)
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                try:
+                    res.error = f"HTTP {r.status_code}: {json.loads(text)['error']['message']}"
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    res.error = f"HTTP {r.status_code}: {text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    res.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = obj["usage"].get("completion_tokens", 0)
+                choices = obj.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = res.ttft is not None
+        if not res.ok:
+            res.error = "no tokens received"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+# ---- the server's own view ------------------------------------------------------------------
+def parse_metrics(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event, peak: dict) -> None:
+    while not stop.is_set():
+        try:
+            m = parse_metrics((await client.get(f"{base}/metrics")).text)
+            peak["kv"] = max(peak.get("kv", 0.0), m.get("kvtop_kv_cache_usage_perc", 0.0))
+        except Exception:
+            return  # not our server, or no /metrics: the client-side figures stand alone
+        await asyncio.sleep(0.5)
+
+
+async def _server_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+    try:
+        r = await client.get(f"{base}/metrics")
+        m = parse_metrics(r.text) if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return None
+    return m if any(k.startswith("kvtop_") for k in m) else None
+
+
+# ---- the run ----------------------------------------------------------------------------------
+async def run_bench(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    request_rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float, dict]:
+    base = base_url.rstrip("/")
+    url = f"{base}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        before = await _server_counters(client, base)
+        stop = asyncio.Event()
+        peak: dict = {}
+        poller = asyncio.create_task(_poll_server(client, base, stop, peak)) if before is not None else None
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def fire(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                res = await _one(client, url, model, req, ignore_eos, headers)
+            else:
+                async with sem:
+                    res = await _one(client, url, model, req, ignore_eos, headers)
+            if on_done:
+                on_done(res)
+            return res
+
+        start = time.perf_counter()
+        tasks = []
+        for req, gap in zip(requests, arrival_gaps(len(requests), request_rate, burstiness, seed), strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(fire(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        server: dict = {}
+        if before is not None:
+            stop.set()
+            await poller
+            after = await _server_counters(client, base) or {}
+
+            def delta(name: str) -> float:
+                return after.get(name, 0.0) - before.get(name, 0.0)
+
+            queries = delta("kvtop_prefix_cache_queries_total")
+            server = {
+                "prefix_hit_rate": delta("kvtop_prefix_cache_hits_total") / queries if queries else 0.0,
+                "preemptions": delta("kvtop_num_preemptions_total"),
+                "peak_kv_usage": max(peak.get("kv", 0.0), after.get("kvtop_kv_cache_usage_perc", 0.0)),
+            }
+    return list(results), duration, server
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p95": None, "p99": None}
+    a = np.asarray(values)
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+def parse_slo(spec: str | None) -> dict[str, float]:
+    """`ttft=500,tpot=50` (milliseconds) -> seconds per metric."""
+    if not spec:
+        return {}
+    out = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"bad --slo part {part!r}: use ttft=MS,tpot=MS,e2e=MS")
+        out[key.strip()] = float(value) / 1000.0
+    return out
+
+
+def report(results: list[RequestResult], duration: float, server: dict, slo: dict[str, float], meta: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    good = [
+        r
+        for r in ok
+        if all(
+            (getattr(r, k) if k != "tpot" else r.tpot) is not None
+            and (getattr(r, k) if k != "tpot" else r.tpot) <= limit
+            for k, limit in slo.items()
+        )
+    ]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {
+        **meta,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "input_token_throughput": in_tokens / duration if duration else 0.0,
+        "output_token_throughput": out_tokens / duration if duration else 0.0,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "ttft_s": _stats([r.ttft for r in ok]),
+        "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": _stats([x for r in ok for x in r.itls]),
+        "e2e_s": _stats([r.e2e for r in ok]),
+        "slo": {k: v * 1000 for k, v in slo.items()},
+        "goodput_requests_per_s": len(good) / duration if slo and duration else None,
+        "server": server or None,
+    }

@@ -1,0 +1,215 @@
+"""`kvctl bench` and `kvctl bench compare`: typer shells over kvtop.bench."""
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtop import bench
+
+bench_app = typer.Typer(help="Load-test an OpenAI-compatible server; compare two runs.", no_args_is_help=False)
+out = Console()
+err = Console(stderr=True)
+
+DATASETS = ("random", "shared-prefix", "long-context", "jsonl")
+
+
+def _range(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise typer.BadParameter("use N or MIN:MAX", param_hint=name) from None
+    if pair[0] <= 0 or pair[1] < pair[0]:
+        raise typer.BadParameter("use positive N or MIN:MAX with MIN <= MAX", param_hint=name)
+    return pair
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_run(
+    ctx: typer.Context,
+    base_url: Annotated[str, typer.Option(help="Server address.")] = "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
+    dataset: Annotated[str, typer.Option(help=" | ".join(DATASETS))] = "random",
+    num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
+    input_len: Annotated[str, typer.Option(help="Prompt length in words, N or MIN:MAX.")] = "64:256",
+    output_len: Annotated[str, typer.Option(help="max_tokens, N or MIN:MAX.")] = "32:128",
+    groups: Annotated[int, typer.Option(help="shared-prefix: distinct system prompts.")] = 4,
+    system_len: Annotated[int, typer.Option(help="shared-prefix: system prompt words.")] = 512,
+    question_len: Annotated[int, typer.Option(help="shared-prefix: question words.")] = 32,
+    long_share: Annotated[float, typer.Option(help="long-context: share of long requests.")] = 0.1,
+    long_factor: Annotated[int, typer.Option(help="long-context: how many times longer.")] = 8,
+    file: Annotated[Path | None, typer.Option(help='jsonl: a file of {"prompt": ...} lines.')] = None,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson); inf sends all at once.")] = float("inf"),
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals: 1 Poisson, <1 burstier.")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals.")] = 0,
+    slo: Annotated[str | None, typer.Option(help="Goodput SLO in ms, e.g. ttft=500,tpot=50.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly max_tokens (vLLM's extension).")] = True,
+    api_key: Annotated[str | None, typer.Option(envvar="KVTOP_API_KEY", help="Bearer key.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """Send a workload, streaming, and report TTFT, TPOT, ITL, e2e (mean/P50/P95/P99), throughput,
+    goodput, and the server's own view when it is kvtop."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if dataset not in DATASETS:
+        raise typer.BadParameter(f"use one of {', '.join(DATASETS)}", param_hint="--dataset")
+    if num_prompts <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--num-prompts")
+    if request_rate <= 0 or burstiness <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
+    try:
+        slo_s = bench.parse_slo(slo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slo") from None
+    ins, outs = _range(input_len, "--input-len"), _range(output_len, "--output-len")
+    if dataset == "random":
+        reqs = bench.random_dataset(num_prompts, ins, outs, seed)
+    elif dataset == "shared-prefix":
+        reqs = bench.shared_prefix_dataset(num_prompts, groups, system_len, question_len, outs, seed)
+    elif dataset == "long-context":
+        reqs = bench.long_context_dataset(num_prompts, ins, outs, long_share, long_factor, seed)
+    else:
+        if file is None or not file.exists():
+            raise typer.BadParameter("jsonl needs --file pointing at an existing file", param_hint="--file")
+        try:
+            reqs = bench.jsonl_dataset(file, num_prompts, outs, seed)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--file") from None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        models = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=10).json()
+        model = model or models["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        err.print(f"kvctl: no OpenAI-compatible server answers at {base_url} (GET /v1/models failed)", soft_wrap=True)
+        raise typer.Exit(2) from None
+    with Progress(
+        TextColumn(f"[bold]bench[/bold] {dataset}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("· {task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        console=err,
+    ) as progress:
+        task = progress.add_task("bench", total=len(reqs), failed=0)
+        failed = 0
+
+        def on_done(r: bench.RequestResult) -> None:
+            nonlocal failed
+            failed += 0 if r.ok else 1
+            progress.update(task, advance=1, failed=failed)
+
+        results, duration, server = asyncio.run(
+            bench.run_bench(
+                base_url,
+                model,
+                reqs,
+                request_rate,
+                burstiness,
+                max_concurrency,
+                seed,
+                ignore_eos,
+                api_key,
+                on_done=on_done,
+            )
+        )
+    meta = {"base_url": base_url, "model": model, "dataset": dataset, "num_prompts": num_prompts,
+            "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
+            "max_concurrency": max_concurrency, "seed": seed}  # fmt: skip
+    rep = bench.report(results, duration, server, slo_s, meta)
+    if json_path:
+        json_path.write_text(json.dumps(rep, indent=2))
+    print_report(rep)
+    if rep["completed"] == 0:
+        raise typer.Exit(1)
+
+
+def print_report(rep: dict) -> None:
+    t = Table(title=f"kvctl bench · {rep['dataset']} · {Path(rep['model']).name}", show_header=True)
+    t.add_column("metric")
+    for col in ("mean", "P50", "P95", "P99"):
+        t.add_column(col, justify="right")
+    for name, key in (("TTFT ms", "ttft_s"), ("TPOT ms", "tpot_s"), ("ITL ms", "itl_s"), ("e2e ms", "e2e_s")):
+        s = rep[key]
+        t.add_row(name, _ms(s["mean"]), _ms(s["p50"]), _ms(s["p95"]), _ms(s["p99"]))
+    out.print(t)
+    lines = [
+        f"completed {rep['completed']}, failed {rep['failed']} in {rep['duration_s']:.2f} s",
+        f"throughput {rep['request_throughput']:.2f} req/s, {rep['input_token_throughput']:.1f} input tok/s, "
+        f"{rep['output_token_throughput']:.1f} output tok/s",
+    ]
+    if rep.get("goodput_requests_per_s") is not None:
+        slo = ", ".join(f"{k} ≤ {v:g} ms" for k, v in rep["slo"].items())
+        lines.append(f"goodput {rep['goodput_requests_per_s']:.2f} req/s meeting {slo}")
+    if rep.get("server"):
+        s = rep["server"]
+        lines.append(
+            f"server: prefix hit rate {s['prefix_hit_rate'] * 100:.1f} %, preemptions {s['preemptions']:.0f}, "
+            f"peak KV usage {s['peak_kv_usage'] * 100:.1f} %"
+        )
+    for error, count in rep.get("errors", {}).items():
+        lines.append(f"[red]{count} × {error}[/red]")
+    for line in lines:
+        out.print(line, highlight=False)
+
+
+COMPARE_ROWS = [
+    ("output tok/s", ("output_token_throughput",), 1.0, True),
+    ("requests/s", ("request_throughput",), 1.0, True),
+    ("TTFT P50 ms", ("ttft_s", "p50"), 1000.0, False),
+    ("TTFT P99 ms", ("ttft_s", "p99"), 1000.0, False),
+    ("TPOT P50 ms", ("tpot_s", "p50"), 1000.0, False),
+    ("ITL P99 ms", ("itl_s", "p99"), 1000.0, False),
+    ("e2e P99 ms", ("e2e_s", "p99"), 1000.0, False),
+    ("failed", ("failed",), 1.0, False),
+]
+
+
+@bench_app.command()
+def compare(
+    a: Annotated[Path, typer.Argument(help="Baseline report (--json of a bench run).")],
+    b: Annotated[Path, typer.Argument(help="Report to compare against it.")],
+) -> None:
+    """Two bench reports side by side, with B/A ratios."""
+    reps = []
+    for p in (a, b):
+        try:
+            reps.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise typer.BadParameter(f"{p}: not a bench report ({exc})") from None
+    t = Table(title=f"{a.name} → {b.name}")
+    for col in ("metric", os.path.basename(a), os.path.basename(b), "B/A"):
+        t.add_column(col, justify="right" if col != "metric" else "left")
+    for label, path, scale, higher_better in COMPARE_ROWS:
+        va, vb = (_dig(r, path) for r in reps)
+        ratio = "-" if not va or vb is None else f"{vb / va:.2f}×"
+        if va and vb is not None and vb != va:
+            better = (vb > va) == higher_better
+            ratio = f"[{'green' if better else 'red'}]{ratio}[/]"
+        t.add_row(label, _fmt(va, scale), _fmt(vb, scale), ratio)
+    out.print(t)
+
+
+def _dig(rep: dict, path: tuple[str, ...]):
+    v = rep
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v
+
+
+def _fmt(v, scale: float) -> str:
+    return "-" if v is None else f"{v * scale:.1f}"

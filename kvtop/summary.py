@@ -1,0 +1,141 @@
+"""A stats frame (DESIGN §6) as a short readable report: what `kvctl status` prints."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from engine.config import format_bytes
+
+MAP_WIDTH = 96
+MAX_SEQUENCES = 12
+MAX_EVENTS = 6
+_MAP_STYLE = {".": "dim", "c": "cyan", "u": "green", "s": "magenta", "o": "yellow"}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _dur(s: float) -> str:
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _bar(frac: float, width: int = 20) -> str:
+    full = round(max(0.0, min(1.0, frac)) * width)
+    return "█" * full + "░" * (width - full)
+
+
+def block_map(chars: str, width: int = MAP_WIDTH) -> Text:
+    """The block map, one char per block (folded into runs of `width` when longer)."""
+    if len(chars) > width * 4:  # too many blocks: show each cell as the dominant state of a range
+        step = len(chars) / (width * 4)
+        chars = "".join(
+            max(set(seg), key=seg.count)
+            for seg in (chars[int(i * step) : int((i + 1) * step) or 1] for i in range(width * 4))
+        )
+    text = Text()
+    for i in range(0, len(chars), width):
+        if i:
+            text.append("\n")
+        for ch in chars[i : i + width]:
+            text.append(ch, style=_MAP_STYLE.get(ch, ""))
+    return text
+
+
+def render_status(frame: dict, width: int = 120) -> Group:
+    """The report for a terminal `width` columns wide."""
+    eng, kv, sched, prefix, lat, thr = (
+        frame[k] for k in ("engine", "kv", "scheduler", "prefix", "latency", "throughput")
+    )
+    server = frame.get("server", {})
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    state_style = {"running": "green", "draining": "yellow", "drained": "red"}.get(eng["state"], "")
+    t.add_row(
+        "engine",
+        Text.assemble(
+            (eng["state"], state_style),
+            f" · {eng['model']} on {eng['device']}"
+            + (f" ({eng['dtype']}, attention {eng['attention_backend']})" if "dtype" in eng else "")
+            + f" · up {_dur(eng['uptime_s'])} · step {eng['step']}",
+        ),
+    )
+    drain = server.get("drain")
+    if drain and eng["state"] != "running":
+        left = f", deadline in {max(0.0, drain['deadline'] - time.time()):.0f} s" if drain.get("deadline") else ""
+        then = " then abort" if drain.get("abort_after") else ""
+        t.add_row(
+            "drain", f"{len(frame.get('sequences', []))} requests left{left}{then}; aborted {drain.get('aborted', 0)}"
+        )
+    t.add_row(
+        "KV cache",
+        f"{_bar(kv['usage'])} {kv['usage'] * 100:.1f} % used · {kv['used']} used ({kv.get('shared', 0)} shared), "
+        f"{kv['cached']} cached, {kv['free'] - kv['cached']} free of {kv['num_blocks']} blocks × {kv['block_size']} tokens"
+        f" · {kv['bytes_per_token']} B/token ({kv['dtype']})",
+    )
+    t.add_row("", block_map(kv["blocks"], max(16, min(MAP_WIDTH, width - 14))))
+    cpu = kv.get("cpu") or {}
+    if cpu.get("num_blocks"):
+        t.add_row("CPU tier", f"{cpu['used']} / {cpu['num_blocks']} blocks")
+    queue = f" · {server['in_flight']} in flight (queue {server['max_queue']})" if "in_flight" in server else ""
+    t.add_row(
+        "requests",
+        f"{sched['running']} running, {sched['waiting']} waiting, {sched['swapped']} swapped (max {sched['max_num_seqs']})"
+        f" · {sched['active_tokens']} active tokens · {sched['preemptions_total']} preemptions{queue}",
+    )
+    t.add_row(
+        "prefix",
+        f"{prefix['hit_rate'] * 100:.1f} % of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
+        f" · saved ≈{prefix['saved_prefill_s']:.2f} s of prefill",
+    )
+    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
+        h = lat[key]
+        t.add_row(label, f"p50 {_ms(h['p50'])} · p95 {_ms(h['p95'])} · p99 {_ms(h['p99'])} ms  ({h['count']} samples)")
+    t.add_row(
+        "throughput",
+        f"{thr['generation_tokens_per_s']:.1f} gen tok/s · {thr['prompt_tokens_per_s']:.1f} prompt tok/s"
+        f" · {thr['requests_per_s']:.2f} req/s",
+    )
+    mem = frame.get("memory") or {}
+    if mem:
+        t.add_row(
+            "memory",
+            f"weights {format_bytes(mem['weights'])} · KV {format_bytes(mem['kv'])} · device "
+            f"{format_bytes(mem['device_used'])} / {format_bytes(mem['device_total'])}",
+        )
+    parts: list = [t]
+    seqs = frame.get("sequences", [])
+    if seqs:
+        st = Table(title=f"sequences ({len(seqs)})", title_justify="left", box=None, header_style="bold")
+        for col in ("id", "state", "prompt", "output", "cached", "blocks", "KV", "age", "TTFT ms"):
+            st.add_column(col, justify="left" if col in ("id", "state") else "right")
+        for s in seqs[:MAX_SEQUENCES]:
+            st.add_row(
+                s["id"], s["state"], str(s["prompt_tokens"]), str(s["output_tokens"]), str(s["cached_tokens"]),
+                str(s["num_blocks"]), format_bytes(s["kv_bytes"]), _dur(s["age_s"]), _ms(s.get("ttft_s")),
+            )  # fmt: skip
+        if len(seqs) > MAX_SEQUENCES:
+            st.add_row(f"… {len(seqs) - MAX_SEQUENCES} more", *[""] * 8)
+        parts.append(st)
+    events = frame.get("events", [])[-MAX_EVENTS:]
+    if events:
+        et = Table(title="recent events", title_justify="left", box=None, show_header=False)
+        for e in events:
+            et.add_row(
+                time.strftime("%H:%M:%S", time.localtime(e["ts"])),
+                e["kind"],
+                e.get("seq_id") or "",
+                e.get("detail") or "",
+            )
+        parts.append(et)
+    return Group(*parts)

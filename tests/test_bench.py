@@ -1,0 +1,82 @@
+"""`kvctl bench` against a real server: client-side latencies, the server's own view, compare."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtop import bench
+from tests.server_harness import kvctl, start_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    # a small step budget admits a few requests per step, so later ones find the shared prefixes
+    # cached however the arrivals bunch up on a loaded machine
+    s = start_server(tiny_dir, "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "256")
+    yield s
+    s.cleanup()
+
+
+def test_bench_shared_prefix_reports_client_and_server_view(server, tmp_path):
+    out = tmp_path / "a.json"
+    proc = kvctl("bench", "--base-url", server.url, "--dataset", "shared-prefix", "--num-prompts", "24",
+                 "--groups", "2", "--system-len", "64", "--question-len", "8", "--output-len", "6:10",
+                 "--slo", "ttft=60000,tpot=60000", "--request-rate", "40", "--json", str(out), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 24 and rep["failed"] == 0
+    assert 24 * 6 <= rep["total_output_tokens"] <= 24 * 10  # ignore_eos: exactly what was asked
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert rep[key]["p50"] > 0 and rep[key]["p99"] >= rep[key]["p50"]
+    assert rep["goodput_requests_per_s"] == pytest.approx(rep["request_throughput"])
+    assert rep["server"]["prefix_hit_rate"] > 0  # two system prompts shared by 24 requests
+    assert rep["server"]["peak_kv_usage"] > 0
+    assert "TTFT ms" in proc.stdout and "prefix hit rate" in proc.stdout
+    server.wait_idle()
+
+
+def test_bench_compare_two_runs(server, tmp_path):
+    paths = []
+    for rate, name in (("inf", "burst.json"), ("30", "paced.json")):
+        p = tmp_path / name
+        proc = kvctl("bench", "--base-url", server.url, "--num-prompts", "12", "--input-len", "8:32",
+                     "--output-len", "4", "--request-rate", rate, "--json", str(p), timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        paths.append(p)
+    proc = kvctl("bench", "compare", *map(str, paths))
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stdout and "×" in proc.stdout
+
+
+def test_bench_without_a_server_is_one_line(tmp_path):
+    proc = kvctl("bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2")
+    assert proc.returncode == 2
+    assert "no OpenAI-compatible server answers at http://127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_bad_arguments(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    for args, msg in (
+        (["--dataset", "nope"], "use one of random, shared-prefix"),
+        (["--input-len", "9:3"], "MIN <= MAX"),
+        (["--slo", "p99=3"], "bad --slo part"),
+        (["--dataset", "jsonl", "--file", str(bad)], "expected a JSON object"),
+    ):
+        proc = kvctl("bench", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert msg in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line, no usage panel
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate():
+    for burstiness in (1.0, 0.5):
+        gaps = bench.arrival_gaps(4000, request_rate=20.0, burstiness=burstiness, seed=1)
+        assert np.mean(gaps) == pytest.approx(1 / 20, rel=0.08)
+    # burstier arrivals spread more
+    assert np.std(bench.arrival_gaps(4000, 20.0, 0.5, 1)) > np.std(bench.arrival_gaps(4000, 20.0, 1.0, 1))
+    assert bench.arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]

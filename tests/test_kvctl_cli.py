@@ -1,0 +1,190 @@
+"""kvctl without an engine: where it looks, replay's checks, shell completions, argument errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.snapshot import write_snapshot
+from kvtop import cli
+from kvtop.completion import generate
+from tests.server_harness import kvctl
+
+ROOT = Path(__file__).parents[1]
+COMPLETIONS = ROOT / "completions"
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "KVTOP_SOCKET"}
+    return {**env, **extra}
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    """kvctl in this process (the entry point, as the console script calls it): code, stdout, stderr."""
+    code = 0
+    try:
+        cli.main(args)
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_no_engine_is_one_line_and_exit_2(tmp_path):
+    sock = tmp_path / "nobody.sock"
+    proc = kvctl("status", "--socket", str(sock))  # as a user runs it
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == f"kvctl: no engine at {sock} (no socket); start one with `kvctl serve` or pass --socket"
+    )
+
+
+@pytest.mark.parametrize("args", [["drain"], ["resume"], ["snapshot"], ["evict", "--prefix-cache", "--yes"]])
+def test_every_control_command_says_where_it_looked(args, tmp_path, capsys):
+    sock = tmp_path / "nobody.sock"
+    code, _, err = run([*args, "--socket", str(sock)], capsys)
+    assert code == 2
+    assert err.strip() == f"kvctl: no engine at {sock} (no socket); start one with `kvctl serve` or pass --socket"
+
+
+def test_socket_from_env_then_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTOP_SOCKET", str(tmp_path / "env.sock"))
+    code, _, err = run(["status"], capsys)
+    assert code == 2 and str(tmp_path / "env.sock") in err
+    monkeypatch.delenv("KVTOP_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    code, _, err = run(["status"], capsys)
+    assert code == 2 and f"{tmp_path}/kvtop-{os.getuid()}/engine.sock" in err
+    # a socket file nobody listens on (a dead engine) reads the same
+    dead = tmp_path / "dead.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(dead))
+    s.close()
+    code, _, err = run(["status", "--socket", str(dead)], capsys)
+    assert code == 2 and f"no engine at {dead}" in err and "Traceback" not in err
+
+
+def test_argument_errors_before_any_connection(tmp_path, capsys):
+    sock = str(tmp_path / "x.sock")
+    cases = [
+        (["evict", "--socket", sock], "give exactly one of --seq ID, --prefix-cache or --blocks N"),
+        (["evict", "--seq", "a", "--prefix-cache", "--socket", sock], "give exactly one of"),
+        (["evict", "--prefix-cache", "--requeue", "--socket", sock], "--requeue goes with --seq ID"),
+        (["drain", "--abort-after", "--socket", sock], "--abort-after needs --timeout"),
+        (["serve", "--snapshot-on", "sometimes"], "unknown snapshot trigger sometimes"),
+        (["completion", "tcsh"], "unknown shell 'tcsh'"),
+    ]
+    for args, message in cases:
+        code, _, err = run(args, capsys)
+        assert code == 1, (args, err)
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_refuses_a_busy_port_before_loading_anything(tmp_path, capsys):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        code, _, err = run(
+            ["serve", "--port", str(port), "--socket", str(tmp_path / "e.sock"), "--model", "nope"], capsys
+        )
+    finally:
+        busy.close()
+    assert code == 1
+    assert err.strip() == f"kvctl: port {port} on 127.0.0.1 is in use: pass another --port (0 picks a free one)"
+
+
+def test_serve_help_lists_engine_and_server_flags():
+    result = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for flag in ("--host", "--port", "--socket", "--api-key", "--max-queue", "--stats-interval", "--history",
+                 "--snapshot-on", "--snapshot-dir", "--kv-cache-memory", "--block-size", "--max-num-seqs",
+                 "--kv-cache-dtype", "--enable-prefix-caching", "--served-model-name"):  # fmt: skip
+        assert flag in result.output, flag
+
+
+def _good_snapshot(path: Path) -> Path:
+    frame = {
+        "schema": 1, "ts": 1.0, "engine": {"state": "running", "model": "m", "device": "cpu", "uptime_s": 1.0, "step": 3},
+        "kv": {"blocks": "uc..", "num_blocks": 4}, "sequences": [{"id": "a", "state": "running", "block_ids": [0]}],
+    }  # fmt: skip
+    return write_snapshot(path, model="m", config={}, reason="test", frames=[frame, {**frame, "ts": 2.0}], events=[])
+
+
+def test_replay_refuses_a_bad_file_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "missing.kvsnap"
+    proc = kvctl("replay", str(missing))  # as a user runs it
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"kvctl: {missing}: no such file"
+    for content, message in ((b"hello", "not an SQLite file"), (b"SQLite format 3\x00" + b"\x00" * 50, "damaged")):
+        path = tmp_path / "bad.kvsnap"
+        path.write_bytes(content)
+        code, _, err = run(["replay", str(path)], capsys)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_replay_opens_the_dashboard(tmp_path, monkeypatch):
+    import kvtop.app
+
+    snap = _good_snapshot(tmp_path / "ok.kvsnap")
+    calls = []
+    monkeypatch.setattr(kvtop.app, "main", lambda argv=None: calls.append(argv))
+    result = CliRunner().invoke(cli.app, ["replay", str(snap)])
+    assert result.exit_code == 0, result.output
+    assert calls == [["--replay", str(snap)]]
+
+    monkeypatch.setattr(kvtop.app, "main", lambda: None)  # a dashboard without argv: not there yet
+    result = CliRunner().invoke(cli.app, ["replay", str(snap)])
+    assert result.exit_code == 0
+    assert "2 frames" in result.output and "dashboard is not available yet" in result.output
+
+
+def test_completions_are_up_to_date(tmp_path):
+    written = generate(tmp_path)
+    assert written, "no completion script generated"
+    expected = {p.name for p in written}
+    present = {p.name for p in COMPLETIONS.iterdir() if p.name != ".gitkeep" and not p.name.startswith("README")}
+    assert present == expected, "completions/ is stale: run `make completions`"
+    for p in written:
+        assert (COMPLETIONS / p.name).read_text() == p.read_text(), (
+            f"completions/{p.name} is stale: run `make completions`"
+        )
+
+
+def test_kvctl_completion_prints_the_checked_in_scripts(capsys):
+    proc = kvctl("completion", "bash")
+    assert proc.returncode == 0 and proc.stdout == (COMPLETIONS / "kvctl.bash").read_text()
+    for shell, name in (("zsh", "_kvctl"), ("fish", "kvctl.fish")):
+        code, out, _ = run(["completion", shell], capsys)
+        assert code == 0 and out == (COMPLETIONS / name).read_text()
+
+
+def _bash_complete(words: list[str]) -> list[str]:
+    script = f'source {COMPLETIONS / "kvctl.bash"}; COMP_WORDS=({" ".join(repr(w) for w in words)}); ' \
+             f'COMP_CWORD={len(words) - 1}; _kvctl_complete; printf "%s\\n" "${{COMPREPLY[@]}}"'  # fmt: skip
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return [w for w in out.splitlines() if w]
+
+
+def test_bash_completion_completes():
+    assert _bash_complete(["kvctl", "dr"]) == ["drain"]
+    assert _bash_complete(["kvctl", "serve", "--kv-cache-d"]) == ["--kv-cache-dtype"]
+    assert _bash_complete(["kvctl", "serve", "--kv-cache-dtype", ""]) == ["auto", "fp8_e4m3", "int8"]
+    assert _bash_complete(["kvctl", "evict", "--pre"]) == ["--prefix-cache"]
+    assert _bash_complete(["kvctl", "completion", ""]) == ["bash", "zsh", "fish"]
+
+
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_zsh_and_fish_scripts_parse(shell):
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    for path in COMPLETIONS.iterdir():
+        if (shell == "zsh" and path.name.startswith("_")) or (shell == "fish" and path.suffix == ".fish"):
+            subprocess.run([shell, "-n", str(path)], check=True)

@@ -1,0 +1,104 @@
+"""The server's pure parts: streaming detokenization, snapshot triggers, request validation."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.server.config import ServerConfig
+from engine.server.detokenize import IncrementalDetokenizer
+from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
+from engine.server.triggers import SnapshotTriggers
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def _stream(tok, text: str, stop: list[str] | None = None, final: str | None = None) -> tuple[list[str], str]:
+    ids = tok.encode(text, add_special_tokens=False)
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    detok = IncrementalDetokenizer(decode, stop)
+    deltas = [detok.update(ids[: i + 1]) for i in range(len(ids) - 1)]
+    deltas.append(detok.update(ids, final if final is not None else decode(ids)))
+    return deltas, decode(ids)
+
+
+def test_deltas_add_up_and_never_split_a_character(tokenizer):
+    text = "Zürich ☀️ 你好，世界 — naïve café 🙂🙃 done"
+    deltas, whole = _stream(tokenizer, text)
+    assert "".join(deltas) == whole == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d == "") > 0  # multi-token characters were held back
+
+
+def test_a_possible_stop_string_is_held_back(tokenizer):
+    text = "alpha beta\n\nThe end"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = lambda t: tokenizer.decode(t)  # noqa: E731
+    detok = IncrementalDetokenizer(decode, ["\n\nThe"])
+    shown = ""
+    for i in range(len(ids)):
+        text = decode(ids[: i + 1])
+        if "\n\nThe" in text:  # the engine finishes here and cuts the text where the stop string starts
+            shown += detok.update(ids[: i + 1], final_text=text[: text.index("\n\nThe")])
+            break
+        shown += detok.update(ids[: i + 1])
+        assert "\n\n" not in shown  # never shows what might turn into the stop string
+    assert shown == "alpha beta"
+
+
+def _frame(ts: float, preemptions: int = 0, ttft_p99: float | None = None, count: int = 0) -> dict:
+    window = {"count": count, "p99": ttft_p99}
+    return {
+        "ts": ts,
+        "scheduler": {"preemptions_total": preemptions},
+        "latency": {"ttft": {"window": window}, "itl": {"window": {"count": 0, "p99": None}}},
+    }
+
+
+def test_preemption_storm_fires_once_per_cooldown():
+    t = SnapshotTriggers(ServerConfig(snapshot_on=("preemption-storm",), storm_preemptions=5, storm_window=2.0,
+                                      snapshot_cooldown=10.0))  # fmt: skip
+    assert t.check(_frame(0.0, 0)) == []
+    assert t.check(_frame(1.0, 4)) == []
+    (f,) = t.check(_frame(1.5, 6))
+    assert f.trigger == "preemption-storm" and "6 preemptions" in f.detail
+    assert t.check(_frame(2.0, 20)) == []  # cooling down
+    assert t.check(_frame(12.0, 20)) == []  # the window has no new preemptions
+    assert [x.trigger for x in t.check(_frame(12.5, 30))] == ["preemption-storm"]
+
+
+def test_slo_breach_and_queue_full_only_when_enabled():
+    t = SnapshotTriggers(ServerConfig(snapshot_on=("slo-breach",), slo_ttft=1.0, slo_min_requests=5))
+    assert t.check(_frame(0.0, ttft_p99=3.0, count=2)) == []  # too few samples
+    (f,) = t.check(_frame(1.0, ttft_p99=3.0, count=5))
+    assert f.trigger == "slo-breach" and "TTFT P99" in f.detail
+    t.note_queue_full("6 in flight")
+    assert t.check(_frame(2.0)) == []  # queue-full is not enabled
+    q = SnapshotTriggers(ServerConfig(snapshot_on=("queue-full",)))
+    q.note_queue_full("6 in flight")
+    assert [x.trigger for x in q.check(_frame(0.0))] == ["queue-full"]
+    assert q.check(_frame(1.0)) == []
+
+
+def test_validation_names_the_parameter():
+    with pytest.raises(APIError) as exc:
+        validate(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "bot"}]})
+    assert exc.value.param == "messages[1].role" and exc.value.status == 400
+    with pytest.raises(APIError) as exc:
+        validate(CompletionRequest, {"model": "m", "prompt": [[1, 2], "x"]})
+    assert exc.value.param == "prompt" and "token-id lists" in exc.value.message
+    with pytest.raises(APIError) as exc:
+        validate(CompletionRequest, {"model": "m"})
+    assert exc.value.code == "missing_required_parameter" and exc.value.message == "missing required parameter 'prompt'"
+    req = validate(CompletionRequest, {"model": "m", "prompt": [1, 2], "temperature": 1, "extra_field": True})
+    assert req.temperature == 1.0  # an integer is a number; unknown fields are ignored as OpenAI does
+
+
+def test_server_config_refuses_unknown_triggers():
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown snapshot trigger"):
+        ServerConfig(snapshot_on=("sometimes",))
