@@ -98,6 +98,8 @@ class LLMEngine:
         self._requeues: deque[str] = deque()
         self._lock = threading.RLock()
         self._faults = FaultInjector.from_env()
+        self._evictions_unreported = 0
+        self._evictions_reported_at = 0.0
         self._ids = itertools.count()
         self.load_seconds = time.time() - t0
         if not quiet:
@@ -211,8 +213,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         with self._lock:
             self._take_inbox(outputs)
+            evictions_before = self.block_manager.prefix.evictions
             batch = self.scheduler.schedule()
             now = time.time()
+            self._note_prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now)
             for seq in batch.preempted:
                 if seq.state is SequenceState.SWAPPED:
                     self.metrics.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
@@ -268,6 +272,16 @@ class LLMEngine:
                     outputs.append(self._output(seq, []))
             self.step_count += 1
         return outputs
+
+    def _note_prefix_evictions(self, evicted: int, now: float) -> None:
+        """At most one `prefix_evicted` event a second: a thrash must show without flooding the log."""
+        self._evictions_unreported += evicted
+        if self._evictions_unreported and now - self._evictions_reported_at >= 1.0:
+            where = "spilled to the CPU tier" if self.block_manager.cpu is not None else "dropped"
+            self.metrics.event(
+                "prefix_evicted", None, f"{self._evictions_unreported} cached prefix blocks reallocated ({where})"
+            )
+            self._evictions_unreported, self._evictions_reported_at = 0, now
 
     def _take_inbox(self, outputs: list[RequestOutput]) -> None:
         while self._inbox:

@@ -1,10 +1,387 @@
-"""kvtop: the live KV-cache dashboard (being built; see issue "kvtop: the live dashboard")."""
+"""kvtop: the KV-cache dashboard, live over the engine's control socket or replaying a snapshot.
+
+The app owns the data source, the view state and the keys. Frames are fetched by a thread
+worker that a timer re-arms after each poll (so polls never overlap and the UI never waits);
+panels draw from a `View` handed to them. Actions (drain, resume, evict, snapshot) ask for a
+confirmation that says what will happen, then go through the EngineClient in a worker thread.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, ClassVar
+
+import typer
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.screen import ModalScreen, Screen
+from textual.timer import Timer
+from textual.widgets import Footer, Input
+
+from kvtop.actions import OperatorActions
+from kvtop.keys import LIVE_ACTIONS, LIVE_KEYS, REPLAY_ACTIONS, REPLAY_KEYS, VIEW_KEYS
+from kvtop.messages import (
+    FilterChanged,
+    FrameArrived,
+    LayoutRebuilt,
+    PollIdle,
+    SequenceSelected,
+    SortChosen,
+    SourceLost,
+)
+from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
+from kvtop.widgets import fmt
+from kvtop.widgets.block_map import BlockMap
+from kvtop.widgets.dashboard import Dashboard
+from kvtop.widgets.header import EngineHeader
+from kvtop.widgets.help import HelpScreen
+from kvtop.widgets.jump_dialog import JumpScreen
+from kvtop.widgets.sequences import COLUMNS, SequencesPanel, SequencesTable
+from kvtop.widgets.timeline import Timeline
+from kvtop.widgets.view import SORT_COLUMNS, View, ViewState
 
 
-def main() -> None:
-    print("kvtop: the dashboard is not built yet; use `kvctl run` for now", file=sys.stderr)
-    sys.exit(2)
+class KvtopApp(OperatorActions, App[int]):
+    CSS_PATH = "kvtop.tcss"
+    TITLE = "kvtop"
+    ENABLE_COMMAND_PALETTE = False  # every command is a key; the footer needs the room
+    BINDINGS: ClassVar[list[BindingType]] = [*VIEW_KEYS, *LIVE_KEYS, *REPLAY_KEYS]
+
+    def __init__(self, source: FrameSource, readonly: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.source = source
+        self.readonly = readonly
+        self.state = ViewState()
+        self.paused = False
+        self.poll_error: str | None = None  # a frame that could not be shown (not a lost engine)
+        self._timer: Timer | None = None
+
+    @property
+    def replay(self) -> ReplaySource | None:
+        return self.source if isinstance(self.source, ReplaySource) else None
+
+    @property
+    def base(self) -> Screen:
+        """The dashboard's screen, under any dialog that is open (queries on `self` see the top one)."""
+        return self.screen_stack[0]
+
+    @property
+    def can_act(self) -> bool:
+        return self.source.supports_actions and not self.readonly
+
+    def compose(self) -> ComposeResult:
+        yield EngineHeader(id="header")
+        yield Dashboard(id="dashboard")
+        if self.replay:
+            yield Timeline(id="timeline")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._hang_up)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+        if self.replay:
+            self.source.poll()
+        self.redraw()
+        self._focus_sequences()
+        self._schedule(0)
+
+    def on_unmount(self) -> None:
+        self.source.close()
+
+    def _hang_up(self) -> None:
+        """The terminal went away (a dropped SSH session): there is nothing left to draw on or to
+        restore, and Textual's shutdown would wait forever on its writer to the dead terminal."""
+        self.source.close()
+        os._exit(0)
+
+    # ---- polling ---------------------------------------------------------------------------
+    def _schedule(self, delay: float) -> None:
+        self._timer = self.set_timer(max(delay, 0.01), self._tick, name="poll")
+
+    def _tick(self) -> None:
+        if self.paused and not self.replay:
+            self._schedule(0.25)
+        else:
+            self._poll()
+
+    @work(thread=True, exclusive=True, group="poll", exit_on_error=False)
+    def _poll(self) -> None:
+        try:
+            frame = self.source.poll()
+        except SourceUnavailable as exc:
+            src = self.source
+            since = src.disconnected_since if isinstance(src, LiveSource) else time.time()
+            self.post_message(SourceLost(str(exc), since or time.time(), src.next_delay()))
+            return
+        except Exception as exc:  # a bad frame must not kill polling: show it, try again
+            self.post_message(SourceLost(f"{type(exc).__name__}: {exc}", time.time(), 1.0))
+            return
+        self.post_message(PollIdle() if frame is None else FrameArrived(frame))
+
+    @on(FrameArrived)
+    def _frame(self) -> None:
+        self.poll_error = None
+        self.base.query_one(Dashboard).remove_class("-stale")
+        self.redraw()
+        self._schedule(self.source.next_delay())
+
+    @on(PollIdle)
+    def _idle(self) -> None:
+        if self.replay:
+            self.base.query_one(Timeline).show(self.replay)
+        self._schedule(self.source.next_delay())
+
+    @on(SourceLost)
+    def _lost(self, message: SourceLost) -> None:
+        self.poll_error = message.error
+        self.base.query_one(Dashboard).add_class("-stale")
+        self.redraw()
+        self._schedule(message.retry_in)
+
+    @on(LayoutRebuilt)
+    def _rebuilt(self) -> None:
+        self.call_after_refresh(self.redraw)
+        self.call_after_refresh(self._focus_sequences)
+
+    def _focus_sequences(self) -> None:
+        """With every panel on screen, ↑/↓ move through the sequences (tab moves focus on)."""
+        if self.base.query_one(Dashboard).mode == "wide":
+            self.base.query_one(SequencesTable).focus()
+
+    # ---- drawing ---------------------------------------------------------------------------
+    def view(self) -> View | None:
+        frame = self.source.current
+        if frame is None:
+            return None
+        return View(frame, self.source.history(), self.source.events(), self.state)
+
+    def status(self) -> Text:
+        src = self.source
+        if isinstance(src, ReplaySource):
+            meta = src.snapshot.meta
+            return Text.assemble(
+                ("◆ replay ", "bold cyan"),
+                str(src.snapshot.path),
+                f" · recorded {time.strftime('%Y-%m-%d %H:%M', time.localtime(meta.get('created') or 0))}",
+                f" · frame {src.index + 1}/{len(src.frames)}",
+            )
+        assert isinstance(src, LiveSource)
+        ro = " · readonly" if self.readonly else ""
+        if src.disconnected_since is not None:
+            ago = fmt.duration(time.time() - src.disconnected_since)
+            return Text.assemble(
+                (f"✖ disconnected since {fmt.clock(src.disconnected_since)} ({ago})", "bold red"),
+                f" · next try in {src.next_delay():.1f}s · {src.last_error}",
+            )
+        if self.poll_error:
+            return Text.assemble(("⚠ cannot show the engine's frame: ", "bold red"), self.poll_error)
+        if src.current is None:
+            return Text(f"… connecting to {src.path}", "italic")
+        if self.paused:
+            return Text.assemble(("⏸ paused", "bold yellow"), f" (space resumes) · {src.path}{ro}")
+        return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
+
+    def redraw(self) -> None:
+        view = self.view()
+        self.base.query_one(EngineHeader).show(view, self.status())
+        if self.replay:
+            self.base.query_one(Timeline).show(self.replay)
+        if view is None:
+            return
+        for panel in self.base.query(".panel"):
+            panel.show(view)  # type: ignore[attr-defined]
+
+    def _redraw_one(self, kind: type) -> None:
+        view = self.view()
+        if view is not None:
+            for w in self.base.query(kind):
+                w.show(view)
+
+    # ---- keys: which exist in this mode ----------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in LIVE_ACTIONS:
+            return self.can_act
+        if action in REPLAY_ACTIONS:
+            if self.replay is None:
+                return False
+            # priority keys (←/→) must not steal typing from a dialog or the filter box
+            if isinstance(self.screen, ModalScreen) or isinstance(self.focused, Input):
+                return False
+        return True
+
+    def action_help(self) -> None:
+        view_keys = [b for b in VIEW_KEYS if not b.action.startswith("tab(")]
+        view_keys.append(Binding("1,2,3,4,5", "tab", "Tabs", tooltip="small terminals: show tab 1–5"))
+        groups = [("View", view_keys)]
+        if self.can_act:
+            groups.append(("Actions (each asks first)", LIVE_KEYS))
+        if self.replay:
+            groups.append(("Replay", REPLAY_KEYS))
+        mode = "replay" if self.replay else "live, read-only" if self.readonly else "live"
+        self.push_screen(HelpScreen(groups, mode))
+
+    def action_pause(self) -> None:
+        if self.replay:
+            self.replay.toggle()
+            self.base.query_one(Timeline).show(self.replay)
+            if self._timer is not None:  # start playing now, not at the next idle tick
+                self._timer.stop()
+            self._schedule(0)
+        else:
+            self.paused = not self.paused
+            self.base.query_one(EngineHeader).show(self.view(), self.status())
+
+    def action_filter(self) -> None:
+        self.base.query_one(Dashboard).show_tab(2)
+        self.base.query_one(SequencesPanel).open_filter()
+
+    def action_sort_next(self) -> None:
+        i = SORT_COLUMNS.index(self.state.sort)
+        self._sort(SORT_COLUMNS[(i + 1) % len(SORT_COLUMNS)])
+
+    def action_sort_reverse(self) -> None:
+        self.state.sort_reverse = not self.state.sort_reverse
+        self._redraw_one(SequencesPanel)
+
+    def _sort(self, column: str) -> None:
+        self.state.sort = column
+        self.state.sort_reverse = column not in ("id", "state")
+        self._redraw_one(SequencesPanel)
+        self.notify(f"sequences sorted by {COLUMNS[column][0]}", timeout=1.5)
+
+    def action_zoom(self, direction: int) -> None:
+        self.base.query_one(BlockMap).zoom(direction)
+
+    def action_latency_range(self) -> None:
+        self.state.latency_all = not self.state.latency_all
+        self.redraw()
+
+    def action_verbose_events(self) -> None:
+        self.state.verbose_events = not self.state.verbose_events
+        self.redraw()
+
+    def action_tab(self, index: int) -> None:
+        self.base.query_one(Dashboard).show_tab(index)
+
+    @on(SequenceSelected)
+    def _selected(self, message: SequenceSelected) -> None:
+        if message.seq_id != self.state.selected_seq:
+            self.state.selected_seq = message.seq_id
+            self._redraw_one(BlockMap)
+
+    @on(SortChosen)
+    def _sort_chosen(self, message: SortChosen) -> None:
+        if message.column == self.state.sort:
+            self.action_sort_reverse()
+        else:
+            self._sort(message.column)
+
+    @on(FilterChanged)
+    def _filtered(self, message: FilterChanged) -> None:
+        self.state.filter = message.text
+        self._redraw_one(SequencesPanel)
+
+    # ---- replay ----------------------------------------------------------------------------
+    def _moved(self, move: Callable[[ReplaySource], object]) -> None:
+        if self.replay:
+            move(self.replay)
+            self.redraw()
+
+    def action_step(self, n: int) -> None:
+        self._moved(lambda r: r.step(n))
+
+    def action_skip(self, seconds: float) -> None:
+        self._moved(lambda r: r.skip(seconds))
+
+    def action_start(self) -> None:
+        self._moved(ReplaySource.start)
+
+    def action_end(self) -> None:
+        self._moved(ReplaySource.end)
+
+    def action_speed(self, direction: int) -> None:
+        self._moved(lambda r: r.faster() if direction > 0 else r.slower())
+
+    def action_jump(self) -> None:
+        replay = self.replay
+        if replay is None:
+            return
+
+        def done(offset: float | None) -> None:
+            if offset is not None:
+                self._moved(lambda r: r.seek(offset))
+
+        self.push_screen(JumpScreen(replay.end_ts - replay.start_ts), done)
+
+
+# ---- the command line -----------------------------------------------------------------------
+cli = typer.Typer(
+    name="kvtop",
+    help="The KV-cache dashboard: watch a running engine live, or replay a snapshot.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@cli.command()
+def run(
+    socket: Annotated[
+        str | None,
+        typer.Option(
+            "--socket", help="Control socket (default: $KVTOP_SOCKET, else $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock)."
+        ),
+    ] = None,
+    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between polls.")] = 1.0,
+    readonly: Annotated[
+        bool, typer.Option("--readonly", help="No actions: drain, resume, evict and snapshot are removed.")
+    ] = False,
+    replay: Annotated[
+        Path | None, typer.Option("--replay", help="Replay a .kvsnap snapshot instead of watching an engine.")
+    ] = None,
+) -> None:
+    """kvtop [--socket PATH] [--interval S] [--readonly] | kvtop --replay FILE"""
+    if replay is not None:
+        from engine.snapshot import SnapshotError, read_snapshot
+
+        try:
+            source: FrameSource = ReplaySource(read_snapshot(replay))
+        except SnapshotError as exc:
+            print(f"kvtop: {exc}", file=sys.stderr)
+            raise typer.Exit(1) from None
+    else:
+        source = LiveSource(socket, interval)
+    code = KvtopApp(source, readonly=readonly).run()
+    raise typer.Exit(code or 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point (`kvtop`, and `kvctl replay FILE` → main(["--replay", FILE]))."""
+    try:
+        code = cli(args=argv, prog_name="kvtop", standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as exc:  # usage errors: one line, not typer's boxed panel
+        if exc.format_message():
+            print(f"kvtop: {exc.format_message()} (see kvtop --help)", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except OSError as exc:  # the terminal went away mid-write
+        print(f"kvtop: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

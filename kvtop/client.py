@@ -74,8 +74,9 @@ class EngineClient:
     def stats(self) -> dict:
         return self._request("GET", "/v1/stats")
 
-    def history(self) -> dict:
-        return self._request("GET", "/v1/history")
+    def history(self, since: float | None = None) -> dict:
+        """The flight recorder's frames (only those after `since`, a frame ts, when given)."""
+        return self._request("GET", "/v1/history", params={} if since is None else {"since": since})
 
     def drain(self, timeout_s: float | None = None, abort_after: bool = False) -> dict:
         return self._request("POST", "/v1/drain", json={"timeout_s": timeout_s, "abort_after": abort_after})

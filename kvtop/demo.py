@@ -1,5 +1,9 @@
-"""`make demo`: serve the default model, drive a mixed load at it through the OpenAI API, show
-what the KV cache did, and stop the server cleanly.
+"""`make demo`: serve the default model, drive a mixed load at it through the OpenAI API, watch it
+in the kvtop dashboard, and stop the server cleanly.
+
+On a terminal the dashboard takes the screen while the load runs in rounds behind it; quit it with
+`q` and the demo prints what the KV cache did. Without a terminal (or with `--no-dashboard`) a
+progress bar replaces the dashboard and the load runs once.
 
 The load: the chats of `kvtop/data/demo_prompts.jsonl` (they share a system prompt, so the
 prefix cache has something to find) mixed with free-form completions; a third of them stream.
@@ -172,6 +176,52 @@ async def drive(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tu
     return results, elapsed, peak
 
 
+def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tuple[list[Result], float, dict]:
+    """Run the load in rounds in a thread while kvtop owns the terminal; stop when it quits."""
+    import threading
+
+    stop = threading.Event()
+    results: list[Result] = []
+    peak = {"kv_usage": 0.0, "running": 0, "waiting": 0}
+
+    async def rounds() -> None:
+        limit = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10)) as http:
+
+            async def one(job: Job) -> None:
+                async with limit:
+                    if not stop.is_set():
+                        results.append(await run_job(http, job))
+
+            async def watch() -> None:
+                with EngineClient(socket) as c:
+                    while not stop.is_set():
+                        with contextlib.suppress(EngineUnavailable):
+                            f = await asyncio.to_thread(c.stats)
+                            peak["running"] = max(peak["running"], f["scheduler"]["running"])
+                            peak["waiting"] = max(peak["waiting"], f["scheduler"]["waiting"])
+                        await asyncio.sleep(0.5)
+
+            watcher = asyncio.create_task(watch())
+            while not stop.is_set():
+                await asyncio.gather(*(one(job) for job in jobs))
+            watcher.cancel()
+
+    t0 = time.perf_counter()
+    loader = threading.Thread(target=lambda: asyncio.run(rounds()), name="demo-load", daemon=True)
+    loader.start()
+    try:
+        subprocess.run([sys.executable, "-m", "kvtop.app", "--socket", str(socket)], check=False)
+    finally:
+        stop.set()
+        console.print("dashboard closed; letting the requests in flight finish…")
+        loader.join(timeout=120)
+    with contextlib.suppress(EngineUnavailable), EngineClient(socket) as c:
+        f = c.stats()
+        peak["kv_usage"] = f["kv"]["peak_usage"]
+    return results, time.perf_counter() - t0, peak
+
+
 def _pct(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
 
@@ -247,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--free", type=int, default=16, help="free-form completions besides the shared-prefix chats")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                    help="open kvtop on the live engine (default: when stdout is a terminal)")  # fmt: skip
     ap.add_argument("serve_args", nargs="*", help="more `kvctl serve` flags, after --")
     args = ap.parse_args(argv)
+    dashboard = sys.stdout.isatty() and sys.stdin.isatty() if args.dashboard is None else args.dashboard
     tmp = Path(tempfile.mkdtemp(prefix="kvdemo", dir="/tmp"))
     proc, socket, log = start_server(args.model, tmp, args.serve_args)
     try:
@@ -257,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         print(flush=True)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         jobs = build_load(model, args.free, args.max_tokens)
-        results, elapsed, peak = asyncio.run(drive(url, socket, jobs, args.concurrency))
+        if dashboard:
+            results, elapsed, peak = with_dashboard(url, socket, jobs, args.concurrency)
+        else:
+            results, elapsed, peak = asyncio.run(drive(url, socket, jobs, args.concurrency))
         with EngineClient(socket) as c:
             frame = c.stats()
         Console().print(summary(results, elapsed, peak, frame))

@@ -53,6 +53,12 @@ FAMILIES = {
 }
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """Pilot tests run on asyncio."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from engine.model.loader import resolve_model_dir

@@ -27,3 +27,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None
 def random_prompts(n: int, lengths: tuple[int, int], vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def widget_text(widget) -> str:
+    """The plain text a Textual Static-like widget shows."""
+    content = widget.content
+    return content.plain if hasattr(content, "plain") else str(content)

@@ -1,0 +1,15 @@
+# bash completion for kvtop — generated from its CLI by `make completions`; do not edit.
+# Install: source this file from ~/.bashrc, or copy it to ~/.local/share/bash-completion/completions/kvtop
+_kvtop_complete() {
+    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" sub="" i
+    case "$prev" in
+        --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+        --interval) COMPREPLY=(); return 0 ;;
+        --replay) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=( $(compgen -W "--socket --interval --readonly --replay --help" -- "$cur") )
+    fi
+    return 0
+}
+complete -o default -F _kvtop_complete kvtop

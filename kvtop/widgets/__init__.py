@@ -1,0 +1,1 @@
+"""kvtop's widgets: one panel or screen per module, each drawing from a View (see view.py)."""

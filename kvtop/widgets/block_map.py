@@ -1,0 +1,126 @@
+"""The block map: one cell per KV block, coloured by state, or one cell per range when zoomed out.
+
+At one block per cell a cell is the block's DESIGN §6 character (`.` free, `c` cached, `u` used,
+`s` shared, `o` offloaded). When the cache has more blocks than the panel has cells, a cell
+summarises a range: its colour is the range's dominant state and its glyph the share of the range
+that is not free (`.` none, `░` ≤⅓, `▒` ≤⅔, `▓` most, `█` all). `z`/`Z` zoom in and out (then the
+map scrolls); the selected sequence's blocks are drawn in reverse video.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import groupby
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from kvtop.widgets import fmt
+from kvtop.widgets.view import View
+
+PRIORITY = "suoc."  # tie-break for the dominant state: the busier state wins
+DENSITY = ((0.0, "."), (1 / 3, "░"), (2 / 3, "▒"), (0.999, "▓"), (1.0, "█"))
+
+
+def legend() -> Text:
+    parts = []
+    for ch, name in fmt.BLOCK_NAMES.items():
+        parts.append(Text.assemble((ch, f"bold {fmt.BLOCK_STYLES[ch]}"), f" {name}"))
+    return Text("  ").join(parts)
+
+
+def summarise(chars: str) -> tuple[str, str]:
+    """(dominant state, density glyph) of a range of block characters."""
+    counts = Counter(chars)
+    top = max(counts.values())
+    dominant = next(c for c in PRIORITY if counts.get(c) == top)
+    busy = 1 - counts.get(".", 0) / len(chars)
+    glyph = next(g for limit, g in DENSITY if busy <= limit + 1e-9)
+    return dominant, glyph
+
+
+def render_cells(chars: str, per_cell: int, width: int, highlight: set[int], offset: int = 0) -> list[Text]:
+    """Rows of `width` cells; block ids in `highlight` (offset by `offset`) drawn reversed."""
+    if per_cell == 1:
+        cells = [(c, c, offset + i in highlight) for i, c in enumerate(chars)]
+    else:
+        cells = []
+        for lo in range(0, len(chars), per_cell):
+            chunk = chars[lo : lo + per_cell]
+            state, glyph = summarise(chunk)
+            hit = bool(highlight) and any(offset + b in highlight for b in range(lo, lo + len(chunk)))
+            cells.append((state, glyph, hit))
+    rows = []
+    for start in range(0, len(cells), width):
+        row = Text()
+        for (state, hit), run in groupby(cells[start : start + width], key=lambda c: (c[0], c[2])):
+            style = fmt.BLOCK_STYLES.get(state, "")
+            row.append("".join(glyph for _, glyph, _ in run), f"bold reverse {style}" if hit else style)
+        rows.append(row)
+    return rows
+
+
+class BlockMap(VerticalScroll):
+    """The KV pool, device blocks then the CPU tier's, as a scrollable grid."""
+
+    DEFAULT_CLASSES = "panel"
+    can_focus = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.view: View | None = None
+        self.per_cell = 1
+        self.border_title = "Block map"
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="block-grid")
+
+    def fit_per_cell(self, nblocks: int, width: int, height: int) -> int:
+        cells = max(1, width * max(1, height))
+        return max(1, -(-nblocks // cells))
+
+    def show(self, view: View) -> None:
+        self.view = view
+        width = self.scrollable_content_region.width
+        height = self.scrollable_content_region.height
+        if width <= 0:
+            return
+        kv = view.frame.get("kv", {})
+        chars: str = kv.get("blocks", "")
+        ndev = kv.get("num_blocks", len(chars))
+        device, host = chars[:ndev], chars[ndev:]
+        rows_avail = height - 1 - (1 if host else 0)
+        fit = self.fit_per_cell(len(chars), width, rows_avail)
+        zoom = view.state.zoom
+        self.per_cell = fit if zoom <= 0 or zoom >= fit else zoom
+        highlight: set[int] = set()
+        if view.state.selected_seq:
+            for s in view.frame.get("sequences", []):
+                if s.get("id") == view.state.selected_seq:
+                    highlight = set(s.get("block_ids", []))
+        out = [legend(), *render_cells(device, self.per_cell, width, highlight)]
+        if host:
+            out.append(Text(f"── CPU tier: {len(host)} blocks ──", "bold"))
+            out.extend(render_cells(host, self.per_cell, width, set()))
+        scale = "1 block per cell" if self.per_cell == 1 else f"1 cell = {self.per_cell} blocks"
+        self.border_title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
+        sel = f"{view.state.selected_seq}: {len(highlight)} blocks" if highlight else ""
+        self.border_subtitle = sel
+        self.query_one("#block-grid", Static).update(fmt.lines(out))
+
+    def zoom(self, direction: int) -> None:
+        """+1 halves the blocks per cell (down to one), -1 doubles them (up to fitting the panel)."""
+        if self.view is None:
+            return
+        state = self.view.state
+        if direction > 0:
+            state.zoom = max(1, self.per_cell // 2)
+        else:
+            state.zoom = self.per_cell * 2
+        self.show(self.view)
+
+    def on_resize(self) -> None:
+        if self.view is not None:
+            self.call_after_refresh(self.show, self.view)

@@ -1,0 +1,101 @@
+"""The panels' layout, chosen by the terminal's size and rebuilt when it crosses a threshold.
+
+wide (≥140×40): every panel at once (sequences across the middle, latency down the side). tabs (down to 60×18, e.g. 80×24 over
+SSH): five tabs, switched with 1–5. small: one clear message asking for a bigger terminal.
+Panel state that must survive a rebuild lives in the app's ViewState, not in the widgets.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Container, Horizontal, Vertical
+from textual.widgets import Static, TabbedContent, TabPane
+
+from kvtop.messages import LayoutRebuilt
+from kvtop.widgets.block_map import BlockMap
+from kvtop.widgets.events import EventsPanel
+from kvtop.widgets.kv_panel import KVPanel
+from kvtop.widgets.latency import LatencyPanel
+from kvtop.widgets.memory import MemoryPanel
+from kvtop.widgets.prefix_panel import PrefixPanel
+from kvtop.widgets.sequences import SequencesPanel
+from kvtop.widgets.throughput import ThroughputPanel
+
+WIDE = (140, 40)
+MIN = (60, 18)
+TABS = (  # id, title
+    ("tab-kv", "1 KV"),
+    ("tab-seqs", "2 Sequences"),
+    ("tab-latency", "3 Latency"),
+    ("tab-cache", "4 Cache & rates"),
+    ("tab-system", "5 Memory & events"),
+)
+
+
+def layout_for(width: int, height: int) -> str:
+    if width < MIN[0] or height < MIN[1]:
+        return "small"
+    if width >= WIDE[0] and height >= WIDE[1]:
+        return "wide"
+    return "tabs"
+
+
+class Dashboard(Container):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mode: str | None = None
+
+    def compose(self) -> ComposeResult:
+        if self.mode is None:
+            self.mode = layout_for(*self.app.size)
+        if self.mode == "small":
+            w, h = self.app.size
+            yield Static(
+                f"Terminal too small: {w}×{h}.\n"
+                f"kvtop needs at least {MIN[0]}×{MIN[1]} (80×24 is comfortable).\n"
+                "Enlarge the window, or press q to quit.",
+                id="too-small",
+            )
+        elif self.mode == "wide":
+            with Horizontal(id="wide"):
+                with Vertical(id="col-main"):
+                    with Horizontal(id="row-kv"):
+                        yield KVPanel(id="kv")
+                        yield BlockMap(id="blockmap")
+                    yield SequencesPanel(id="sequences")
+                    with Horizontal(id="row-rates"):
+                        yield ThroughputPanel(id="throughput")
+                        yield MemoryPanel(id="memory")
+                    yield EventsPanel(id="events")
+                with Vertical(id="col-side"):
+                    yield PrefixPanel(id="prefix")
+                    yield LatencyPanel(id="latency")
+        else:
+            with TabbedContent(id="tabs"):
+                with TabPane(TABS[0][1], id=TABS[0][0]), Horizontal():
+                    yield KVPanel(id="kv")
+                    yield BlockMap(id="blockmap")
+                with TabPane(TABS[1][1], id=TABS[1][0]):
+                    yield SequencesPanel(id="sequences")
+                with TabPane(TABS[2][1], id=TABS[2][0]):
+                    yield LatencyPanel(id="latency")
+                with TabPane(TABS[3][1], id=TABS[3][0]), Vertical():
+                    yield PrefixPanel(id="prefix")
+                    yield ThroughputPanel(id="throughput")
+                with TabPane(TABS[4][1], id=TABS[4][0]), Vertical():
+                    yield MemoryPanel(id="memory")
+                    yield EventsPanel(id="events")
+
+    async def on_resize(self) -> None:
+        mode = layout_for(*self.app.size)
+        if mode != self.mode:
+            self.mode = mode
+            await self.recompose()
+            self.post_message(LayoutRebuilt(mode))
+
+    def show_tab(self, index: int) -> bool:
+        """Switch to tab `index` (1-based); False where there are no tabs."""
+        if self.mode != "tabs" or not 1 <= index <= len(TABS):
+            return False
+        self.query_one(TabbedContent).active = TABS[index - 1][0]
+        return True

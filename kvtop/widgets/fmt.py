@@ -1,0 +1,121 @@
+"""Formatting shared by the panels: sizes, durations, times, sparklines and gauges as plain text.
+
+Everything here returns strings or rich Text so that a panel reads the same in 16 colours and
+under NO_COLOR: colour only ever repeats what the characters already say.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+# block map: DESIGN §6 characters, and the style each is drawn in
+BLOCK_STYLES = {".": "bright_black", "c": "cyan", "u": "green", "s": "magenta", "o": "yellow"}
+BLOCK_NAMES = {".": "free", "c": "cached", "u": "used", "s": "shared", "o": "offloaded"}
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1024**2:.1f}"
+
+
+def size(n: float | None) -> str:
+    """Binary size, short: 512 B, 1.5 KiB, 23.4 MiB, 2.00 GiB."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def secs(v: float | None) -> str:
+    """A latency: 850µs, 42ms, 1.25s, 3m05s."""
+    if v is None:
+        return "-"
+    if v < 1e-3:
+        return f"{v * 1e6:.0f}µs"
+    if v < 1:
+        return f"{v * 1e3:.0f}ms" if v >= 0.1 else f"{v * 1e3:.1f}ms"
+    if v < 60:
+        return f"{v:.2f}s"
+    return duration(v)
+
+
+def duration(v: float | None) -> str:
+    """An age or uptime: 12s, 3m05s, 2h04m, 3d02h."""
+    if v is None:
+        return "-"
+    v = max(0, int(v))
+    if v < 60:
+        return f"{v}s"
+    if v < 3600:
+        return f"{v // 60}m{v % 60:02d}s"
+    if v < 86400:
+        return f"{v // 3600}h{v % 3600 // 60:02d}m"
+    return f"{v // 86400}d{v % 86400 // 3600:02d}h"
+
+
+def age(v: float | None) -> str:
+    """An age in at most three characters, for narrow columns: 45s, 12m, 3h, 2d."""
+    if v is None:
+        return "-"
+    v = max(0, int(v))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if v >= size:
+            return f"{v // size}{unit}"
+    return f"{v}s"
+
+
+def clock(ts: float | None, millis: bool = False) -> str:
+    if ts is None:
+        return "-"
+    s = time.strftime("%H:%M:%S", time.localtime(ts))
+    return f"{s}.{int(ts % 1 * 1000):03d}" if millis else s
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.2f}"
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """The last `width` values as block characters, scaled to their maximum (0 stays lowest)."""
+    values = values[-width:] if width > 0 else []
+    if not values:
+        return ""
+    top = max(values)
+    if top <= 0:
+        return SPARK[0] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
+
+
+def gauge(fraction: float, width: int, style: str = "green") -> Text:
+    """A bar: filled share in `style`, the rest dotted, so it reads without colour."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = round(fraction * width)
+    if fraction >= 0.9:
+        style = "red"
+    elif fraction >= 0.75:
+        style = "yellow"
+    return Text.assemble(("█" * filled, style), ("·" * (width - filled), "bright_black"))
+
+
+def label_value(label: str, value: str, width: int = 12) -> Text:
+    return Text.assemble((f"{label:<{width}}", "bold"), value)
+
+
+def lines(rows: list[Text | str], height: int | None = None) -> Text:
+    """Rows joined into one Text that crops (never wraps) at the panel's edge."""
+    rows = rows if height is None else rows[: max(0, height)]
+    out = Text("\n").join(Text(r) if isinstance(r, str) else r for r in rows)
+    out.no_wrap = True
+    out.overflow = "ellipsis"
+    return out

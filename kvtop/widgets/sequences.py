@@ -1,0 +1,161 @@
+"""Sequences: one row per request in the engine, sortable by any column, filterable with `/`.
+
+The table is rebuilt from each frame in the chosen order; the cursor follows the selected
+sequence by id, so a row keeps its highlight as others come and go. Moving the cursor selects
+(the block map then highlights that sequence's blocks; `e` evicts it).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.widgets import DataTable, Input
+
+from kvtop.messages import FilterChanged, SequenceSelected, SortChosen
+from kvtop.widgets import fmt
+from kvtop.widgets.view import SORT_COLUMNS, View
+
+ID_WIDTH = 12
+
+
+def short_id(seq_id: str, width: int = ID_WIDTH) -> str:
+    """Server ids are long (`cmpl-` + 24 hex): keep both ends, which tell them apart."""
+    if len(seq_id) <= width:
+        return seq_id
+    return f"{seq_id[: width // 2]}…{seq_id[-(width - width // 2 - 1) :]}"
+
+
+COLUMNS = {  # key: (header, frame field, formatter)
+    "id": ("id", "id", short_id),
+    "state": ("state", "state", str),
+    "prompt": ("prompt", "prompt_tokens", str),
+    "output": ("out", "output_tokens", str),
+    "cached": ("cached", "cached_tokens", str),
+    "blocks": ("blks", "num_blocks", str),
+    "kv": ("KV MiB", "kv_bytes", fmt.mib),
+    "age": ("age", "age_s", fmt.age),
+    "ttft": ("TTFT", "ttft_s", fmt.secs),
+    "itl": ("ITL", "itl_s", fmt.secs),
+}
+assert tuple(COLUMNS) == SORT_COLUMNS
+STATE_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
+
+
+def visible(sequences: list[dict], text: str, column: str, reverse: bool) -> list[dict]:
+    """The rows to show: those whose id or state contains `text`, sorted by `column`; rows
+    without a value there (no TTFT yet) come last whichever the direction."""
+    needle = text.strip().lower()
+    rows = [s for s in sequences if not needle or needle in f"{s.get('id', '')} {s.get('state', '')}".lower()]
+    field = COLUMNS[column][1]
+    known = [s for s in rows if s.get(field) is not None]
+    missing = [s for s in rows if s.get(field) is None]
+    key = (lambda s: str(s[field]).lower()) if column in ("id", "state") else (lambda s: s[field])
+    return sorted(known, key=key, reverse=reverse) + missing
+
+
+class SequencesTable(DataTable):
+    """The table itself; row keys are sequence ids."""
+
+
+class SequencesPanel(Vertical):
+    DEFAULT_CLASSES = "panel"
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "clear_filter", "Clear filter", show=False)]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.view: View | None = None
+        self.border_title = "Sequences"
+        self._syncing = False
+
+    def compose(self) -> ComposeResult:
+        table = SequencesTable(cursor_type="row", zebra_stripes=False, id="seq-table")
+        for key, (header, _, _) in COLUMNS.items():
+            table.add_column(header, key=key)
+        yield table
+        yield Input(placeholder="filter by id or state (enter: keep, esc: clear)", id="seq-filter")
+
+    def on_mount(self) -> None:
+        self.query_one("#seq-filter", Input).display = False
+
+    @property
+    def table(self) -> SequencesTable:
+        return self.query_one(SequencesTable)
+
+    def show(self, view: View) -> None:
+        self.view = view
+        st = view.state
+        all_seqs = view.frame.get("sequences", [])
+        rows = visible(all_seqs, st.filter, st.sort, st.sort_reverse)
+        table = self.table
+        scroll_y = table.scroll_y
+        id_width = min(40, max(ID_WIDTH, self.size.width - 78))  # wide panels show whole ids
+        self._syncing = True
+        try:
+            table.clear()
+            for s in rows:
+                cells = []
+                for key, (_, field, formatter) in COLUMNS.items():
+                    v = s.get(field)
+                    text = "-" if v is None else short_id(v, id_width) if key == "id" else formatter(v)
+                    if key == "state":
+                        cells.append(Text(text, STATE_STYLES.get(text, "")))
+                    elif key in ("id",):
+                        cells.append(text)
+                    else:
+                        cells.append(Text(text, justify="right"))
+                table.add_row(*cells, key=s["id"])
+            ids = [s["id"] for s in rows]
+            if st.selected_seq in ids:
+                table.move_cursor(row=ids.index(st.selected_seq), animate=False, scroll=False)
+            table.scroll_y = scroll_y
+        finally:
+            self._syncing = False
+        if rows and st.selected_seq not in ids:  # it finished or was filtered out: the row under the cursor
+            self.post_message(SequenceSelected(ids[min(max(table.cursor_row, 0), len(ids) - 1)]))
+        arrow = "↓" if st.sort_reverse else "↑"
+        shown = f"{len(rows)}" if len(rows) == len(all_seqs) else f"{len(rows)} of {len(all_seqs)}"
+        self.border_title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
+        self.border_subtitle = f"filter: {st.filter}" if st.filter else ""
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        if not self._syncing and event.row_key.value is not None:
+            self.post_message(SequenceSelected(event.row_key.value))
+
+    @on(DataTable.HeaderSelected)
+    def _header(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        self.post_message(SortChosen(str(event.column_key.value)))
+
+    # ---- filter ---------------------------------------------------------------------------
+    def open_filter(self) -> None:
+        box = self.query_one("#seq-filter", Input)
+        box.display = True
+        if self.view is not None:
+            box.value = self.view.state.filter
+        box.focus()
+
+    @on(Input.Changed, "#seq-filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self.post_message(FilterChanged(event.value))
+
+    @on(Input.Submitted, "#seq-filter")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        box = self.query_one("#seq-filter", Input)
+        box.display = bool(box.value)
+        self.table.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#seq-filter", Input)
+        box.value = ""
+        box.display = False
+        self.post_message(FilterChanged(""))
+        self.table.focus()

@@ -1,0 +1,50 @@
+"""The replay timeline: play state and speed, position, the snapshot's trigger, and the events
+along the recording as marks under a bar (`p` preemption, `e` eviction, `d` drain, `r` resume,
+`a` abort, `s` snapshot; the most severe wins a cell)."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from kvtop.sources import ReplaySource
+from kvtop.widgets import fmt
+
+MARKS = {"preempted": "p", "aborted": "a", "evicted": "e", "prefix_evicted": "e", "drain_started": "d", "drain_finished": "d",
+         "resumed": "r", "snapshot": "s"}  # fmt: skip
+SEVERITY = "pdaesr"  # earlier = more severe
+MARK_STYLES = {"p": "red", "a": "red", "e": "yellow", "d": "yellow", "r": "green", "s": "cyan"}
+
+
+def mmss(seconds: float) -> str:
+    return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
+
+
+class Timeline(Static):
+    """Three lines under the dashboard in replay mode."""
+
+    def show(self, source: ReplaySource) -> None:
+        width = max(10, self.content_size.width or 80)
+        length = max(source.end_ts - source.start_ts, 1e-9)
+        state = Text("▶ playing", "bold green") if source.playing else Text("⏸ paused", "bold yellow")
+        head = Text.assemble(
+            state,
+            f"  ×{source.speed:g}  {mmss(source.position)} / {mmss(length)}",
+            f"  frame {source.index + 1}/{len(source.frames)}  ",
+            ("trigger: ", "bold"),
+            (source.reason or "?", "italic"),
+        )
+        pos = min(width - 1, int(source.position / length * (width - 1)))
+        bar = Text.assemble(("━" * pos, "bold cyan"), ("●", "bold"), ("─" * (width - 1 - pos), "bright_black"))
+        cells = [" "] * width
+        for e in source.snapshot.events:
+            mark = MARKS.get(e.get("kind", ""))
+            if mark is None:
+                continue
+            col = min(width - 1, max(0, int((e["ts"] - source.start_ts) / length * (width - 1))))
+            if cells[col] == " " or SEVERITY.index(mark) < SEVERITY.index(cells[col]):
+                cells[col] = mark
+        marks = Text()
+        for ch in cells:
+            marks.append(ch, MARK_STYLES.get(ch, ""))
+        self.update(fmt.lines([head, bar, marks]))
