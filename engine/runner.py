@@ -33,7 +33,13 @@ class ModelRunner:
         cu = [0]
         sample_rows: list[int] = []
         sample_idx: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        # decodes first: they take the decode kernel, the rest the prefill kernel, in one forward
+        # (padding one-token decodes to a prompt chunk's length would waste most of the attention)
+        order = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+        num_decodes = len(order)
+        order += [i for i, n in enumerate(batch.num_new_tokens) if n != 1]
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             end = start + n
             input_ids.extend(seq.token_ids[start:end])
@@ -46,15 +52,19 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 sample_idx.append(i)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
+        decode_seqs = [batch.seqs[i] for i in order[:num_decodes]]
+        prefill_seqs = [batch.seqs[i] for i in order[num_decodes:]]
         attn = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            is_decode=len(input_ids) == len(batch.seqs),
+            num_decodes=num_decodes,
+            decode_tables=_tables(decode_seqs, dev),
+            decode_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=dev),
+            prefill_tables=_tables(prefill_seqs, dev),
+            prefill_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int32, device=dev),
+            prefill_cu_seqlens_q=torch.tensor(
+                [c - num_decodes for c in cu[num_decodes:]], dtype=torch.int32, device=dev
+            ),
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -67,3 +77,13 @@ class ModelRunner:
             return hidden.new_empty(0, self.model.spec.vocab_size), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         return logits, sample_idx
+
+
+def _tables(seqs, device) -> torch.Tensor | None:
+    """Block tables padded to the longest (padding is never read: lengths bound every read)."""
+    if not seqs:
+        return None
+    width = max(len(s.block_table) for s in seqs)
+    return torch.tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32, device=device
+    )

@@ -47,10 +47,12 @@ class AttentionBatch:
     """Per-step attention inputs, built once by the runner and shared by every layer."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in cache after this step
-    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
-    is_decode: bool  # every sequence adds exactly one token
+    num_decodes: int  # the first num_decodes tokens are one-token decodes, one per sequence
+    decode_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
+    decode_lens: torch.Tensor  # int32 [num_decodes]: tokens in cache after this step
+    prefill_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
+    prefill_lens: torch.Tensor  # int32 [num_prefills]
+    prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1], over the tokens after the decodes
 
 
 class KVLayer:
@@ -121,22 +123,29 @@ class DecoderLayer(nn.Module):
         if kv.calibrating:
             kv.calibrate(k, v)
         kernels.store_kv(k, v, kv.k, kv.v, batch.slot_mapping, kv.k_scale, kv.v_scale)
-        if batch.is_decode:
-            attn = kernels.paged_decode_attention(
-                q, kv.k, kv.v, batch.block_tables, batch.seq_lens, self.scale, kv.k_scale, kv.v_scale
+        nd = batch.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                kernels.paged_decode_attention(
+                    q[:nd], kv.k, kv.v, batch.decode_tables, batch.decode_lens, self.scale, kv.k_scale, kv.v_scale
+                )
             )
-        else:
-            attn = kernels.paged_prefill_attention(
-                q,
-                kv.k,
-                kv.v,
-                batch.block_tables,
-                batch.cu_seqlens_q,
-                batch.seq_lens,
-                self.scale,
-                kv.k_scale,
-                kv.v_scale,
+        if batch.prefill_tables is not None:
+            parts.append(
+                kernels.paged_prefill_attention(
+                    q[nd:],
+                    kv.k,
+                    kv.v,
+                    batch.prefill_tables,
+                    batch.prefill_cu_seqlens_q,
+                    batch.prefill_lens,
+                    self.scale,
+                    kv.k_scale,
+                    kv.v_scale,
+                )
             )
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         x = x + self.o_proj(attn.reshape(n, q_size))
         h = rms_norm(x, self.post_attention_layernorm, spec.rms_norm_eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
