@@ -340,7 +340,7 @@ async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event
             peak["kv"] = max(peak.get("kv", 0.0), m.get("kvtop_kv_cache_usage_perc", 0.0))
         except Exception:
             return  # not our server, or no /metrics: the client-side figures stand alone
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)  # short runs must still be sampled while requests hold blocks
 
 
 async def _server_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
