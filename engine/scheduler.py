@@ -89,12 +89,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             self.bm.swap_in(seq)
-            self.bm.append_slots(seq, n)
-            seq.state = SequenceState.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            batch.swapped_in.append(seq)
+            self._start(seq, n, batch, batch.swapped_in)
             budget -= n
         if self.swapped:
             return batch  # swapped sequences come back before new ones start
@@ -109,16 +104,21 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, hits)
-            self.bm.append_slots(seq, n)
-            seq.state = SequenceState.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            batch.admitted.append(seq)
+            self._start(seq, n, batch, batch.admitted)
             budget -= n
-        for seq in self.waiting:
-            seq.lpm_skips += 1 if self.policy == "lpm" else 0
+        if self.policy == "lpm":
+            for seq in self.waiting:
+                seq.lpm_skips += 1
         return batch
+
+    def _start(self, seq: Sequence, n: int, batch: ScheduledBatch, why: list[Sequence]) -> None:
+        """A swapped-in or newly admitted sequence joins the running set and this step's batch."""
+        self.bm.append_slots(seq, n)
+        seq.state = SequenceState.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        why.append(seq)
 
     def _order_longest_prefix_first(self) -> None:
         """lpm: sequences already started (preempted) and starving ones first, then by cached prefix."""
