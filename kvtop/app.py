@@ -192,8 +192,11 @@ class KvtopApp(OperatorActions, App[int]):
         return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
 
     def redraw(self) -> None:
+        header = self.base.query(EngineHeader)
+        if not header:  # a frame that lands before the dashboard is mounted: the next one draws
+            return
         view = self.view()
-        self.base.query_one(EngineHeader).show(view, self.status())
+        header.first().show(view, self.status())
         if self.replay:
             self.base.query_one(Timeline).show(self.replay)
         if view is None:
