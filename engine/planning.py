@@ -99,9 +99,10 @@ def plan(
     import torch
 
     from engine.kv.cache import bytes_per_token, num_blocks_for
+    from engine.llm_engine import TORCH_DTYPES  # the engine's own name -> dtype map
 
     spec, _ = spec_for(model)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     params = parameter_count(spec)
     weights = params * torch.empty((), dtype=torch_dtype).element_size()
     if kv_cache_memory is None:
