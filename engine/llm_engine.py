@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 from collections import deque
 
 import torch
@@ -215,6 +216,8 @@ class LLMEngine:
             self._take_inbox(outputs)
             evictions_before = self.block_manager.prefix.evictions
             batch = self.scheduler.schedule()
+            held = max(batch.peak_held_blocks, self.kv.num_blocks - self.block_manager.num_free)
+            self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, held / self.kv.num_blocks)
             now = time.time()
             self._note_prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now)
             for seq in batch.preempted:
@@ -236,7 +239,14 @@ class LLMEngine:
             self._faults.maybe_fail(self.step_count, batch)
             logits, sample_idx = self.runner.execute(batch)
             seqs = [batch.seqs[i] for i in sample_idx]
-            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
+            tokens, logprobs = sample(
+                logits,
+                [s.params for s in seqs],
+                [s.generator or self.generator for s in seqs],
+                token_ids=[s.token_ids for s in seqs],
+                num_outputs=[s.num_output_tokens for s in seqs],
+                eos_token_ids=self.eos_token_ids,
+            )
         except Exception as exc:  # a failed step fails its requests, not the engine
             return outputs + self._fail_batch(batch, exc)
         elapsed = time.perf_counter() - t0
@@ -263,6 +273,9 @@ class LLMEngine:
         """End every request of a step that raised with reason `error`; the KV they wrote this
         step is unusable, so their blocks go back (and their prefix hashes are not registered)."""
         detail = f"{type(exc).__name__}: {exc}"
+        # the traceback goes to the log (the server's stderr): a client is told to look there
+        log(f"step {self.step_count} failed; its {len(batch.seqs)} requests end with reason error:\n"
+            + "".join(traceback.format_exception(exc)))  # fmt: skip
         outputs = []
         with self._lock:
             self.metrics.event("step_failed", None, f"step {self.step_count}: {detail}; {len(batch.seqs)} requests")

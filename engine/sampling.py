@@ -1,17 +1,27 @@
 """SamplingParams (what a request asks for) and the batched sampler that honours it.
 
-Greedy rows take an argmax. Random rows draw with the exponential-race trick
-(argmax of p / Exp(1)), where each seeded request owns a torch.Generator so its tokens do not
-depend on which other requests share the batch.
+Logits first go through the per-request processors, each applied to the rows that ask for it
+in one tensor operation: `repetition_penalty` (CTRL's, as vLLM and transformers: a seen token's
+positive logit is divided by it, a negative one multiplied) and `min_tokens` (EOS and stop
+tokens cannot be drawn before that many output tokens). Greedy rows (temperature below
+`GREEDY_BELOW`, where dividing by it would overflow) then take an argmax. Random rows are
+scaled by temperature, cut by top-k, top-p and min-p (the most likely token always survives),
+and draw with the exponential-race trick (argmax of p / Exp(1)), where each seeded request owns
+a torch.Generator so its tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+GREEDY_BELOW = 1e-5  # a temperature this small is argmax in all but name; 1e-40 would make logits inf
+MAX_COUNT = 2**31 - 1
 
 
 @dataclass
@@ -19,41 +29,69 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k
+    top_k: int = -1  # -1 or 0: no top-k; at least the vocabulary: no top-k either
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
+    repetition_penalty: float = 1.0  # 1: off; > 1 discourages tokens already in prompt or output
     logprobs: int | None = None  # return the chosen token's log-prob (and this many top ones)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("top_k", self.top_k, -1, "-1 (off) or a positive integer")
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
+        _check_float("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        _check_float("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, "between 0 and 20")
+            if self.logprobs > 20:
+                raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), high=2**64 - 1)
+            self.seed %= 2**64  # torch takes seeds in [0, 2^64); seed + i of choice i may step past 2^63
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+
+def _check_int(name: str, value, low: int, what: str | None = None, high: int = MAX_COUNT) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be {what or f'an integer >= {low}'}, got {value!r}")
+
+
+def _check_float(name: str, value, ok, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not ok(value):
+        raise InvalidRequestError(f"{name} must be {what}, got {value!r}")
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    num_outputs: Sequence[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> tuple[list[int], list[float] | None]:
-    """Pick one token per row of `logits` [n, vocab]; returns tokens and (if any row asks) log-probs."""
+    """Pick one token per row of `logits` [n, vocab]; returns tokens and (if any row asks) log-probs.
+
+    `token_ids` (each row's prompt and output so far) and `num_outputs` feed repetition_penalty
+    and min_tokens; log-probs are those of the model, before any processor."""
     logits = logits.float()
     n = logits.shape[0]
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs_full = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logits = apply_processors(logits, params, token_ids, num_outputs, eos_token_ids)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     tokens = torch.empty(n, dtype=torch.long)
     if greedy_rows:
@@ -65,7 +103,9 @@ def sample(
         sub = logits[idx]
         temps = torch.tensor([params[i].temperature for i in random_rows]).unsqueeze(1)
         sub = sub / temps
-        sub = _apply_top_k_top_p(sub, [params[i].top_k for i in random_rows], [params[i].top_p for i in random_rows])
+        rows = [params[i] for i in random_rows]
+        sub = _apply_top_k_top_p(sub, [p.top_k for p in rows], [p.top_p for p in rows])
+        sub = _apply_min_p(sub, [p.min_p for p in rows])
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs)
         # seeded requests draw from their own generator (reproducible whatever the batch); the
@@ -86,18 +126,65 @@ def sample(
     return token_list, lp
 
 
+def apply_processors(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: Sequence[Sequence[int]] | None,
+    num_outputs: Sequence[int] | None,
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """repetition_penalty and min_tokens, each over the rows that ask for it (a new tensor when
+    any does; the caller's logits are never changed in place)."""
+    vocab = logits.shape[-1]
+    original = logits
+    penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if penalized and token_ids is not None:
+        logits = logits.clone()
+        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool)
+        rows = torch.cat([torch.full((len(token_ids[i]),), r, dtype=torch.long) for r, i in enumerate(penalized)])
+        cols = torch.cat([torch.as_tensor(list(token_ids[i]), dtype=torch.long) for i in penalized])
+        seen[rows, cols.clamp(0, vocab - 1)] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in penalized]).unsqueeze(1)
+        sub = logits[penalized]
+        logits[penalized] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if num_outputs is not None:
+        early = [i for i, p in enumerate(params) if num_outputs[i] < p.min_tokens]
+        rows_l, cols_l = [], []
+        for i in early:
+            banned = {t for t in (*eos_token_ids, *params[i].stop_token_ids) if 0 <= t < vocab}
+            rows_l += [i] * len(banned)
+            cols_l += sorted(banned)
+        if rows_l:
+            logits = logits.clone() if logits is original else logits
+            logits[torch.tensor(rows_l), torch.tensor(cols_l)] = float("-inf")
+    return logits
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+    vocab = logits.shape[-1]
+    if all(k <= 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab).unsqueeze(1)
+    # clamp in Python: a top_k past int64 must not reach torch.tensor
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
     positions = torch.arange(vocab).unsqueeze(0)
     mask = positions >= ks
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     cum = probs.cumsum(dim=-1)
-    ps = torch.tensor(top_p).unsqueeze(1)
-    # keep a token when the mass before it is below top_p (the first token is always kept)
+    ps = torch.tensor(top_p, dtype=torch.float64).unsqueeze(1)
+    # keep a token when the mass before it is below top_p; the first token is always kept (a
+    # top_p of 1e-300 is 0 in float32 and would otherwise mask every token)
     mask |= (cum - probs) >= ps
+    mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p × the top token's (min_p = 1: the argmax)."""
+    if all(p <= 0.0 for p in min_p):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.max(dim=-1, keepdim=True).values
+    threshold = top * torch.tensor(min_p).unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))

@@ -12,6 +12,7 @@ import hmac
 import json
 import math
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,21 +25,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.errors import EngineDrainingError, InvalidRequestError
+from engine.model.loader import log
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
+from engine.server.bodies import parse_json_body, read_body
+from engine.server.config import DEFAULT_MAX_REQUEST_BODY, DEFAULT_READ_TIMEOUT
 from engine.server.detokenize import IncrementalDetokenizer
 from engine.server.loop import EngineLoop
 from engine.server.metrics import CONTENT_TYPE, render_metrics
+from engine.server.prompts import PromptBuilder
 from engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingRequest,
-    parse_json,
     validate,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PARSE_INLINE_BYTES = 64 * 1024  # bigger bodies are parsed on a worker thread
+
+
+def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
+    """JSON with non-ASCII escaped: an error that quotes a client's bytes can always be encoded."""
+    return Response(json.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -46,8 +56,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as an OpenAI-style body; nothing a client sends can cause a 5xx."""
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -55,30 +65,36 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query")]
         param = ".".join(loc) or None
         msg = f"{param}: {err.get('msg', 'invalid request')}" if param else err.get("msg", "invalid request")
-        return JSONResponse(APIError(400, msg, param=param, code="invalid_value").body(), status_code=400)
+        return error_response(400, APIError(400, msg, param=param, code="invalid_value").body())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(
-            APIError(exc.status_code, msg, type=kind, code=kind).body(),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        body = APIError(exc.status_code, msg, type=kind, code=kind).body()
+        return error_response(exc.status_code, body, getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> Response:
+        log(f"{request.method} {request.url.path} failed:\n{''.join(traceback.format_exception(exc))}")
         body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body()
-        return JSONResponse(body, status_code=500)
+        return error_response(500, body)
 
 
-async def read_request(request: Request, model: type):
-    return validate(model, parse_json(await request.body()))
+async def read_request(
+    request: Request, model: type, limit: int = DEFAULT_MAX_REQUEST_BODY, timeout: float = DEFAULT_READ_TIMEOUT
+):
+    """The body, bounded in size and time (bodies.py), parsed and validated into `model`."""
+    raw = await read_body(request, limit, timeout)
+    if len(raw) > PARSE_INLINE_BYTES:
+        body = await anyio.to_thread.run_sync(parse_json_body, raw)
+    else:
+        body = parse_json_body(raw)
+    return validate(model, body)
 
 
 # ---- streaming that notices a client leaving --------------------------------------------
@@ -172,8 +188,11 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
     tokenizer = engine.tokenizer
     served = engine.config.served_model_name or engine.config.model
     created = int(engine.start_time)
-    vocab = engine.spec.vocab_size
-    kv_tokens = engine.kv.num_blocks * engine.kv.block_size
+    prompts = PromptBuilder(engine)
+    capacity = engine.config.max_num_seqs + loop.config.max_queue
+
+    async def read(request: Request, model: type):
+        return await read_request(request, model, loop.config.max_request_body, loop.config.read_timeout)
 
     app = FastAPI(title="kvtop", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -196,44 +215,6 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
                 code="model_not_found",
             )  # fmt: skip
 
-    def check_tokens(ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise APIError(400, f"{param} is empty", param=param, code="invalid_value")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
-        return ids
-
-    def max_tokens_for(ids: list[int], asked: int | None, default: int | None, param: str) -> int:
-        limit = engine.max_seq_len  # min(max_model_len, KV cache capacity)
-        if len(ids) >= limit:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens but at most {limit - 1} fit (max_model_len="
-                f"{engine.max_model_len}, KV cache {kv_tokens} tokens)",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if asked is None:
-            return default if default is not None else limit - len(ids)
-        if len(ids) + asked > engine.max_model_len:
-            raise APIError(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({asked}) = {len(ids) + asked} exceeds max_model_len="
-                f"{engine.max_model_len}: ask for at most {engine.max_model_len - len(ids)} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if len(ids) + asked > kv_tokens:
-            raise APIError(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({asked}) exceeds the KV cache ({kv_tokens} tokens): "
-                f"ask for at most {kv_tokens - len(ids)} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return asked
-
     def sampling(req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
         try:
             return [
@@ -242,9 +223,13 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=-1 if not req.top_k else req.top_k,
+                    min_p=req.min_p or 0.0,
                     seed=None if req.seed is None else req.seed + i,
                     stop=req.stop,
+                    stop_token_ids=prompts.check_stop_token_ids(req.stop_token_ids),
                     ignore_eos=req.ignore_eos,
+                    min_tokens=req.min_tokens,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                     logprobs=logprobs,
                 )
                 for i in range(req.n)
@@ -252,7 +237,20 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from None
 
+    def check_capacity(count: int, param: str) -> None:
+        """A request for more sequences than can ever be in flight is the client's to fix (400),
+        not a full queue to retry later (429)."""
+        if count > capacity:
+            raise APIError(
+                400,
+                f"this request needs {count} sequences (prompts × n) but at most {capacity} can ever be in flight "
+                f"(max_num_seqs {engine.config.max_num_seqs} + max_queue {loop.config.max_queue}): send fewer",
+                param=param,
+                code="too_many_sequences",
+            )
+
     def admit(job: Job) -> None:
+        check_capacity(len(job.ids), "n")
         state = engine.state
         if state != "running":
             loop.note_rejected("draining", state)
@@ -263,7 +261,7 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
                 code="engine_draining",
                 headers={"Retry-After": str(_retry_after(loop))},
             )
-        limit = engine.config.max_num_seqs + loop.config.max_queue
+        limit = capacity
         if loop.inflight + len(job.ids) > limit:
             loop.note_rejected("queue_full", f"{loop.inflight} requests in flight, limit {limit}")
             raise APIError(
@@ -318,25 +316,15 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request):
-        req = await read_request(request, CompletionRequest)
+        req = await read(request, CompletionRequest)
         check_model(req.model)
         req.unsupported()
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif all(isinstance(p, str) for p in prompt):
-            prompts = list(prompt)
-        elif all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        ids_list = []
-        for p in prompts:
-            if isinstance(p, str) and not p:
-                raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
-            ids_list.append(check_tokens(engine.tokenize(p), "prompt"))
+        texts = prompts.split(req.prompt)
+        # before tokenizing prompts that could never all be admitted
+        check_capacity(len(texts) * req.n, "prompt" if len(texts) > 1 else "n")
+        ids_list = await prompts.completion_ids(texts)
         max_tokens = min(
-            max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in ids_list
+            prompts.max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in ids_list
         )
         job = Job(loop, f"cmpl-{uuid.uuid4().hex[:24]}", ids_list, sampling(req, max_tokens, req.logprobs))
         admit(job)
@@ -383,21 +371,6 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
             job.abort("client disconnected")
 
     # -- chat --
-    def chat_prompt(req: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for m in req.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name:
-                msg["name"] = m.name
-            messages.append(msg)
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # no template, or the template refuses these messages
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise APIError(400, "this model has no chat template: use /v1/completions", param="messages") from None
-            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-        return check_tokens(tokenizer.encode(text, add_special_tokens=False), "messages")
-
     def chat_logprobs(out: RequestOutput, start: int, end: int, k: int) -> dict:
         content = []
         for t, lp in zip(out.token_ids[start:end], (out.logprobs or [])[start:end], strict=False):
@@ -408,11 +381,12 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        req = await read_request(request, ChatCompletionRequest)
+        req = await read(request, ChatCompletionRequest)
         check_model(req.model)
         req.unsupported()
-        ids = chat_prompt(req)
-        max_tokens = max_tokens_for(ids, req.wanted_max_tokens, None, "messages")
+        check_capacity(req.n, "n")
+        ids = await prompts.chat_ids(req)
+        max_tokens = prompts.max_tokens_for(ids, req.wanted_max_tokens, None, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         job = Job(loop, f"chatcmpl-{uuid.uuid4().hex[:24]}", [ids], sampling(req, max_tokens, k))
         admit(job)
@@ -489,7 +463,7 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         state = engine.state
         ok = state == "running" and loop.running

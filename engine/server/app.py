@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.config import EngineConfig, format_bytes
 from engine.model.loader import log
@@ -32,9 +35,79 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _uvicorn_config(app, log_level: str) -> uvicorn.Config:
+_TIMEOUT_BODY = json.dumps(
+    {"error": {"message": "the request did not arrive in time", "type": "invalid_request_error", "param": None,
+               "code": "request_timeout"}}
+).encode()  # fmt: skip
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    + f"content-length: {len(_TIMEOUT_BODY)}\r\n\r\n".encode()
+    + _TIMEOUT_BODY
+)
+
+
+class _TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with the read timeouts it lacks: a request's headers must be whole
+    within `read_timeout` seconds of their first byte (or of the connection), and its body may
+    not go silent for longer (the app answers 408 first; this closes what it does not read).
+    Without them, a client that sends half a request holds its connection forever."""
+
+    read_timeout = 5.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch(progress=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _watch(self, progress: bool = False) -> None:
+        state = self.conn.their_state
+        if self.transport.is_closing() or state not in (h11.IDLE, h11.SEND_BODY):
+            self._cancel_read_timer()
+        elif state is h11.SEND_BODY and progress:  # a body resets the clock with every chunk
+            self._cancel_read_timer()
+            self._read_timer = self.loop.call_later(self.read_timeout + 1.0, self._stalled)
+        elif self._read_timer is None:  # headers: one deadline from the first byte
+            self._read_timer = self.loop.call_later(self.read_timeout, self._stalled)
+
+    def _stalled(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        self.transport.close()
+
+
+def _uvicorn_config(app, log_level: str, config: ServerConfig | None = None) -> uvicorn.Config:
+    config = config or ServerConfig()
+    protocol = type("TimedH11", (_TimedH11,), {"read_timeout": config.read_timeout})
     return uvicorn.Config(
-        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=3, ws="none"
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=3,
+        ws="none",
+        http=protocol,
+        timeout_keep_alive=5,  # an idle keep-alive connection is closed after this many seconds
+        limit_concurrency=config.max_connections,  # beyond it, new requests get 503
+        h11_max_incomplete_event_size=16 * 1024,  # request line + headers; more is a 400
     )
 
 
@@ -94,8 +167,8 @@ async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_
     loop = EngineLoop(engine, config)
     loop.addresses = {"api": api_url, "metrics": f"{api_url}/metrics", "socket": str(socket_path)}
     stopping = asyncio.Event()
-    api_server = _Server(_uvicorn_config(build_api(loop, make_registry(loop)), log_level))
-    ctl_server = _Server(_uvicorn_config(build_control(loop, stopping), log_level))
+    api_server = _Server(_uvicorn_config(build_api(loop, make_registry(loop)), log_level, config))
+    ctl_server = _Server(_uvicorn_config(build_control(loop, stopping), log_level, config))
     servers = (api_server, ctl_server)
     loop.start(aloop)
 

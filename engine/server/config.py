@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config import parse_size
 from engine.errors import ConfigError, EngineError
 
 TRIGGERS = ("preemption-storm", "slo-breach", "queue-full")
+DEFAULT_MAX_REQUEST_BODY = 8 * 1024**2
+DEFAULT_READ_TIMEOUT = 5.0
 
 
 def default_snapshot_dir() -> Path:
@@ -34,8 +37,18 @@ class ServerConfig:
     slo_itl: float = 0.5  # ... or ITL P99 above this (s)
     slo_min_requests: int = 5  # ... once the minute holds at least this many samples
     snapshot_cooldown: float = 300.0  # seconds before the same trigger fires again
+    max_request_body: int | str = DEFAULT_MAX_REQUEST_BODY  # bytes or "8MiB"; a bigger body gets 413
+    read_timeout: float = DEFAULT_READ_TIMEOUT  # a client silent this long mid-headers or mid-body is cut off
+    max_connections: int = 1024  # open connections; beyond it new requests get 503 (uvicorn's limit_concurrency)
 
     def __post_init__(self) -> None:
+        self.max_request_body = parse_size(self.max_request_body)
+        if self.max_request_body is None or self.max_request_body < 1024:
+            raise ConfigError("max_request_body must be at least 1KiB")
+        if not self.read_timeout > 0:
+            raise ConfigError("read_timeout must be positive (seconds)")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be >= 1")
         unknown = [t for t in self.snapshot_on if t not in TRIGGERS]
         if unknown:
             raise ConfigError(f"unknown snapshot trigger {', '.join(unknown)}: use {', '.join(TRIGGERS)}")

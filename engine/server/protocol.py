@@ -7,14 +7,75 @@ cannot honour are refused when set to anything but their neutral value, never ig
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 64
 SEED_RANGE = (-(2**63), 2**63 - 1)
+MAX_INT = 2**31 - 1  # counts (tokens, top_k): any larger is a client bug, and must not reach torch as int64
+
+# Parameters other servers accept that this engine does not implement: refused by name unless
+# the value is one that asks for nothing (the neutral values listed). Checked on the raw body,
+# since the models ignore unknown fields.
+REFUSED_COMMON: dict[str, tuple] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "early_stopping": (False,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+    "bad_words": (),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "add_special_tokens": (),
+    "priority": (0,),
+    "kv_transfer_params": (),
+}
+REFUSED_CHAT: dict[str, tuple] = {
+    "functions": (),
+    "function_call": ("none",),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "n_best": (),
+    "echo": (False,),
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "chat_template": (),
+    "chat_template_kwargs": (),
+    "documents": (),
+}
+REFUSED_COMPLETION: dict[str, tuple] = {"response_format": ({"type": "text"},)}
+
+
+def refuse_unsupported(body: dict, refused: dict[str, tuple]) -> None:
+    """A 400 naming the first parameter this engine would otherwise have to ignore."""
+    for name, neutral in refused.items():
+        if name not in body or body[name] is None:
+            continue
+        value = body[name]
+        if any(type(value) is type(n) and value == n for n in neutral):
+            continue
+        allowed = " or ".join(repr(n) for n in neutral)
+        hint = f": leave it unset{' or ' + allowed if neutral else ''}"
+        raise APIError(400, f"{name} is not supported by this engine{hint}", param=name, code="unsupported_parameter")
 
 
 class APIError(Exception):
@@ -38,22 +99,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def parse_json(raw: bytes) -> Any:
-    """The request body as JSON, or a 400 that says what is wrong with it."""
-    if not raw.strip():
-        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
-
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=no_constants)
-    except UnicodeDecodeError:
-        raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", "literal"}
 
 
@@ -73,6 +118,7 @@ def _param(loc: tuple) -> str | None:
 def validate(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    refuse_unsupported(body, getattr(model, "refused", {}))
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -97,11 +143,16 @@ class StreamOptions(_Strict):
 
 
 class _SamplingRequest(_Strict):
+    refused: ClassVar[dict[str, tuple]] = REFUSED_COMMON
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)  # vLLM's extension; over the vocabulary: no top-k
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)  # vLLM's: EOS and stop tokens are not sampled before this
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM's (CTRL's): 1 is off
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
@@ -120,6 +171,13 @@ class _SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop strings")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if v and any(not 0 <= t <= MAX_INT for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
     def unsupported(self) -> None:
         """Refuse what the engine cannot do rather than ignore it."""
         for name in ("presence_penalty", "frequency_penalty"):
@@ -136,11 +194,12 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
+    refused: ClassVar[dict[str, tuple]] = {**REFUSED_COMMON, **REFUSED_COMPLETION}
     prompt: Any
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -192,8 +251,9 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    refused: ClassVar[dict[str, tuple]] = {**REFUSED_COMMON, **REFUSED_CHAT}
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
