@@ -223,6 +223,15 @@ def serve(
     snapshot_cooldown: Annotated[
         float, typer.Option(help="Seconds before the same trigger fires again.", rich_help_panel=_S)
     ] = _default("snapshot_cooldown"),
+    max_request_body: Annotated[
+        str, typer.Option(help="Largest request body (bytes or e.g. 8MiB); more gets 413.", rich_help_panel=_S)
+    ] = "8MiB",
+    read_timeout: Annotated[
+        float, typer.Option(help="Seconds a client may stall mid-request before it is cut off.", rich_help_panel=_S)
+    ] = _default("read_timeout"),
+    max_connections: Annotated[
+        int, typer.Option(help="Open connections; beyond them new requests get 503.", rich_help_panel=_S)
+    ] = _default("max_connections"),
     log_level: Annotated[str, typer.Option(help="uvicorn log level.", rich_help_panel=_S)] = "warning",
     *,
     config: EngineConfig,
@@ -245,6 +254,9 @@ def serve(
         slo_ttft=slo_ttft,
         slo_itl=slo_itl,
         snapshot_cooldown=snapshot_cooldown,
+        max_request_body=max_request_body,
+        read_timeout=read_timeout,
+        max_connections=max_connections,
         **({"snapshot_dir": snapshot_dir.expanduser().resolve()} if snapshot_dir else {}),
     )
     raise typer.Exit(run_server(config, server, log_level=log_level))
