@@ -155,7 +155,7 @@ class KvtopApp(OperatorActions, App[int]):
 
     def _focus_sequences(self) -> None:
         """With every panel on screen, ↑/↓ move through the sequences (tab moves focus on)."""
-        if self.base.query_one(Dashboard).mode == "wide":
+        if self.base.query_one(Dashboard).mode in ("wide", "overview"):
             self.base.query_one(SequencesTable).focus()
 
     # ---- drawing ---------------------------------------------------------------------------
@@ -189,6 +189,7 @@ class KvtopApp(OperatorActions, App[int]):
             return Text(f"… connecting to {src.path}", "italic")
         if self.paused:
             return Text.assemble(("⏸ paused", "bold yellow"), f" (space resumes) · {src.path}{ro}")
+        header.first().unreachable_since = getattr(self.source, "disconnected_since", None)
         return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
 
     def redraw(self) -> None:

@@ -25,8 +25,9 @@ from kvtop.client import EngineClient, EngineRequestError, EngineUnavailable, re
 HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
 NOTABLE_EVENTS = (
     "preempted", "swapped", "evicted", "prefix_evicted", "drain_started", "drain_finished", "resumed",
-    "aborted", "failed", "step_failed", "snapshot",
+    "aborted", "failed", "step_failed", "snapshot", "engine_restarted",
 )  # fmt: skip
+BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: first to go, shown as one line
 EVENTS_KEPT = 2000
 PREFILL_S = 120.0  # on connecting, frames this far back are taken from the engine's /v1/history
 
@@ -140,13 +141,16 @@ class LiveSource(FrameSource):
             self.current = frame
             if self._frames and frame["ts"] <= self._frames[-1]["ts"]:
                 return  # the same frame again (or a clock step back): nothing new to plot
+            if self._frames and _restarted(self._frames[-1], frame):
+                e = _restart_event(self._frames[-1], frame)
+                self._events[(e["ts"], e["kind"], None)] = e
             self._frames.append(frame)
             while self._frames and self._frames[0]["ts"] < frame["ts"] - HISTORY_S:
                 self._frames.popleft()
             for e in frame.get("events", []):
                 self._events.setdefault((e.get("ts"), e.get("kind"), e.get("seq_id")), e)
-            if len(self._events) > EVENTS_KEPT:
-                for key in sorted(self._events, key=lambda k: k[0] or 0)[: len(self._events) - EVENTS_KEPT]:
+            if len(self._events) > EVENTS_KEPT:  # routine and bursty events go first, oldest first
+                for key in sorted(self._events, key=_pruned_first)[: len(self._events) - EVENTS_KEPT]:
                     del self._events[key]
 
     def history(self, seconds: float = HISTORY_S) -> list[dict]:
@@ -189,6 +193,31 @@ class LiveSource(FrameSource):
 
     def snapshot(self, path: str, reason: str) -> dict:
         return self._call(lambda c: c.snapshot(path=path, reason=reason))
+
+
+def _pruned_first(key: tuple) -> tuple:
+    """Sort key of (ts, kind, seq_id): routine and bursty events before notable ones, then oldest."""
+    return (key[1] in NOTABLE_EVENTS and key[1] not in BURSTY_EVENTS, key[0] or 0)
+
+
+def _start(frame: dict) -> float:
+    return frame["ts"] - ((frame.get("engine") or {}).get("uptime_s") or 0.0)
+
+
+def _restarted(before: dict, after: dict) -> bool:
+    """A new engine run: it started later than the one before (or its step count went back)."""
+    step = (before.get("engine") or {}).get("step") or 0
+    return _start(after) - _start(before) > 1.0 or ((after.get("engine") or {}).get("step") or 0) < step
+
+
+def _restart_event(before: dict, after: dict) -> dict:
+    """The restart, as an event of the new run (engines do not log their own start)."""
+    up = (before.get("engine") or {}).get("uptime_s") or 0.0
+    detail = (
+        f"a new engine run started at {time.strftime('%H:%M:%S', time.localtime(_start(after)))}; "
+        f"the last one was up {int(up) // 60}m{int(up) % 60:02d}s, step {(before.get('engine') or {}).get('step')}"
+    )
+    return {"ts": max(_start(after), before["ts"]), "kind": "engine_restarted", "seq_id": None, "detail": detail}
 
 
 def _locked(method):

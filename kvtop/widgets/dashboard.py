@@ -1,8 +1,11 @@
 """The panels' layout, chosen by the terminal's size and rebuilt when it crosses a threshold.
 
-wide (≥140×40): every panel at once (sequences across the middle, latency down the side). tabs (down to 60×18, e.g. 80×24 over
-SSH): five tabs, switched with 1–5. small: one clear message asking for a bigger terminal.
-Panel state that must survive a rebuild lives in the app's ViewState, not in the widgets.
+wide (≥140×40): every panel at once (sequences across the middle, latency down the side).
+overview (≥110×34, e.g. 120×40 over SSH): two tabs — the overview (KV cache, block map,
+sequences, prefix cache, latency) and rates & events (throughput, memory, events).
+tabs (down to 60×18, e.g. 80×24): five tabs. `1`–`5` name the same panels in both tabbed
+layouts (in overview, 1–3 are the overview and 4–5 the rates). small: one clear message asking
+for a bigger terminal. Panel state that must survive a rebuild lives in the app's ViewState.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kvtop.widgets.sequences import SequencesPanel
 from kvtop.widgets.throughput import ThroughputPanel
 
 WIDE = (140, 40)
+OVERVIEW = (110, 34)
 MIN = (60, 18)
 TABS = (  # id, title
     ("tab-kv", "1 KV"),
@@ -30,6 +34,8 @@ TABS = (  # id, title
     ("tab-cache", "4 Cache & rates"),
     ("tab-system", "5 Memory & events"),
 )
+OVERVIEW_TABS = (("tab-overview", "1-3 Overview"), ("tab-rates", "4-5 Rates, memory & events"))
+OVERVIEW_OF_TAB = (0, 0, 0, 1, 1)  # which overview tab holds each of the five tabs' panels
 
 
 def layout_for(width: int, height: int) -> str:
@@ -37,6 +43,8 @@ def layout_for(width: int, height: int) -> str:
         return "small"
     if width >= WIDE[0] and height >= WIDE[1]:
         return "wide"
+    if width >= OVERVIEW[0] and height >= OVERVIEW[1]:
+        return "overview"
     return "tabs"
 
 
@@ -70,6 +78,22 @@ class Dashboard(Container):
                 with Vertical(id="col-side"):
                     yield PrefixPanel(id="prefix")
                     yield LatencyPanel(id="latency")
+        elif self.mode == "overview":
+            with TabbedContent(id="tabs"):
+                with TabPane(OVERVIEW_TABS[0][1], id=OVERVIEW_TABS[0][0]), Horizontal():
+                    with Vertical(id="col-main"):
+                        with Horizontal(id="row-kv"):
+                            yield KVPanel(id="kv")
+                            yield BlockMap(id="blockmap")
+                        yield SequencesPanel(id="sequences")
+                    with Vertical(id="col-side"):
+                        yield PrefixPanel(id="prefix")
+                        yield LatencyPanel(id="latency")
+                with TabPane(OVERVIEW_TABS[1][1], id=OVERVIEW_TABS[1][0]), Vertical():
+                    with Horizontal(id="row-rates"):
+                        yield ThroughputPanel(id="throughput")
+                        yield MemoryPanel(id="memory")
+                    yield EventsPanel(id="events")
         else:
             with TabbedContent(id="tabs"):
                 with TabPane(TABS[0][1], id=TABS[0][0]), Horizontal():
@@ -95,7 +119,8 @@ class Dashboard(Container):
 
     def show_tab(self, index: int) -> bool:
         """Switch to tab `index` (1-based); False where there are no tabs."""
-        if self.mode != "tabs" or not 1 <= index <= len(TABS):
+        if self.mode not in ("tabs", "overview") or not 1 <= index <= len(TABS):
             return False
-        self.query_one(TabbedContent).active = TABS[index - 1][0]
+        tab = TABS[index - 1] if self.mode == "tabs" else OVERVIEW_TABS[OVERVIEW_OF_TAB[index - 1]]
+        self.query_one(TabbedContent).active = tab[0]
         return True

@@ -11,19 +11,20 @@ import time
 from rich.text import Text
 
 SPARK = "▁▂▃▄▅▆▇█"
+NONE = "–"  # no data yet (never 0: a zero is a measurement)
 # block map: DESIGN §6 characters, and the style each is drawn in
 BLOCK_STYLES = {".": "bright_black", "c": "cyan", "u": "green", "s": "magenta", "o": "yellow"}
 BLOCK_NAMES = {".": "free", "c": "cached", "u": "used", "s": "shared", "o": "offloaded"}
 
 
 def mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1024**2:.1f}"
+    return NONE if n is None else f"{n / 1024**2:.1f}"
 
 
 def size(n: float | None) -> str:
     """Binary size, short: 512 B, 1.5 KiB, 23.4 MiB, 2.00 GiB."""
     if n is None:
-        return "-"
+        return NONE
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -34,7 +35,7 @@ def size(n: float | None) -> str:
 def secs(v: float | None) -> str:
     """A latency: 850µs, 42ms, 1.25s, 3m05s."""
     if v is None:
-        return "-"
+        return NONE
     if v < 1e-3:
         return f"{v * 1e6:.0f}µs"
     if v < 1:
@@ -47,7 +48,7 @@ def secs(v: float | None) -> str:
 def duration(v: float | None) -> str:
     """An age or uptime: 12s, 3m05s, 2h04m, 3d02h."""
     if v is None:
-        return "-"
+        return NONE
     v = max(0, int(v))
     if v < 60:
         return f"{v}s"
@@ -61,7 +62,7 @@ def duration(v: float | None) -> str:
 def age(v: float | None) -> str:
     """An age in at most three characters, for narrow columns: 45s, 12m, 3h, 2d."""
     if v is None:
-        return "-"
+        return NONE
     v = max(0, int(v))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if v >= size:
@@ -71,18 +72,18 @@ def age(v: float | None) -> str:
 
 def clock(ts: float | None, millis: bool = False) -> str:
     if ts is None:
-        return "-"
+        return NONE
     s = time.strftime("%H:%M:%S", time.localtime(ts))
     return f"{s}.{int(ts % 1 * 1000):03d}" if millis else s
 
 
 def pct(v: float | None) -> str:
-    return "-" if v is None else f"{v * 100:.1f}%"
+    return NONE if v is None else f"{v * 100:.1f}%"
 
 
 def rate(v: float | None) -> str:
     if v is None:
-        return "-"
+        return NONE
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.2f}"
 
 

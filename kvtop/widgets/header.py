@@ -1,14 +1,24 @@
-"""The top two lines: which engine, in what state, how fast; and where the frames come from."""
+"""The top three lines: which engine, in what state, how fast; where the frames come from; and
+what the frame shows at a glance (requests running and waiting, rejections, the diagnosis).
+
+While the engine is unreachable, its state is not known: line 1 says `✖ unreachable since …`
+in place of the state, uptime and steps/s of the last frame, and line 3 is dimmed as the last
+frame's.
+"""
 
 from __future__ import annotations
+
+import time
 
 from rich.text import Text
 from textual.widgets import Static
 
+from kvtop.diagnosis import diagnose
 from kvtop.widgets import fmt, series
 from kvtop.widgets.view import View
 
 STATE_STYLES = {"running": "bold green", "draining": "bold yellow", "drained": "bold red"}
+REJECT_CODES = {"queue_full": "429", "draining": "503"}
 
 
 def drain_detail(frame: dict) -> str:
@@ -24,33 +34,78 @@ def drain_detail(frame: dict) -> str:
     return left + ")"
 
 
+def rejected_summary(frame: dict) -> str:
+    """`12 rejected (429 ×10, 503 ×2)`, or "" when the server has refused nothing (or is not a server)."""
+    rejected = {k: v for k, v in ((frame.get("server") or {}).get("rejected") or {}).items() if v}
+    if not rejected:
+        return ""
+    parts = ", ".join(f"{REJECT_CODES.get(k, k)} ×{v}" for k, v in sorted(rejected.items()))
+    return f"{sum(rejected.values())} rejected ({parts})"
+
+
+def engine_line(view: View, unreachable_since: float | None) -> Text:
+    e = view.frame.get("engine", {})
+    line = Text.assemble(
+        (str(e.get("model", "?")), "bold"), "  ", f"{e.get('device', '?')} {e.get('dtype', '')}".rstrip(), "  "
+    )
+    if unreachable_since is not None:
+        ago = fmt.duration(time.time() - unreachable_since)
+        line.append(f"✖ unreachable since {fmt.clock(unreachable_since)} ({ago})", "bold red")
+        line.append(f"  last frame {fmt.clock(view.frame.get('ts'))}, step {e.get('step', 0)}", "dim")
+        return line
+    state = e.get("state", "?")
+    line.append_text(
+        Text.assemble(
+            (f"● {state}", STATE_STYLES.get(state, "bold")),
+            drain_detail(view.frame),
+            f"  up {fmt.duration(e.get('uptime_s'))}",
+            f"  {fmt.rate(series.latest_rate(view.history, 'engine.step'))} steps/s",
+            f"  step {e.get('step', 0)}",
+            f"  {fmt.clock(view.frame.get('ts'))}",
+        )
+    )
+    return line
+
+
+def glance_line(view: View, stale: bool) -> Text:
+    """Running and waiting requests, rejections, and the first finding of the diagnosis."""
+    s = view.frame.get("scheduler") or {}
+    counts = f"{s.get('running', 0)} running · {s.get('waiting', 0)} waiting"
+    rejected = rejected_summary(view.frame)
+    if rejected:
+        counts += f" · {rejected}"
+    findings = diagnose(view.frame, view.history[:-1])
+    line = Text.assemble((counts, "bold"), "  ")
+    if findings:
+        more = f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""
+        line.append_text(Text.assemble(("⚠ ", "bold yellow"), findings[0], more))
+    else:
+        line.append("✓ nothing stands out", "green")
+    if stale:
+        line = Text.assemble("last frame: ", line)
+        line.stylize("dim")
+    return line
+
+
 class EngineHeader(Static):
-    """Line 1: model, device, engine state, uptime, steps/s. Line 2: the source's status."""
+    """Line 1: model, device, engine state, uptime, steps/s. Line 2: the source's status.
+    Line 3: requests running / waiting, rejections, the diagnosis."""
+
+    unreachable_since: float | None = None  # set by the app while the engine cannot be reached
 
     def show(self, view: View | None, status: Text) -> None:
         line = Text.assemble(("kvtop ", "bold reverse"), " ")
         if view is None:
             line.append("waiting for the first frame…", "italic")
+            glance = Text("")
         else:
-            e = view.frame.get("engine", {})
-            state = e.get("state", "?")
-            steps = series.latest_rate(view.history, "engine.step")
-            line.append_text(
-                Text.assemble(
-                    (str(e.get("model", "?")), "bold"),
-                    "  ",
-                    f"{e.get('device', '?')} {e.get('dtype', '')}".rstrip(),
-                    "  ",
-                    (f"● {state}", STATE_STYLES.get(state, "bold")),
-                    drain_detail(view.frame),
-                    f"  up {fmt.duration(e.get('uptime_s'))}",
-                    f"  {fmt.rate(steps)} steps/s",
-                    f"  step {e.get('step', 0)}",
-                    f"  {fmt.clock(view.frame.get('ts'))}",
-                )
-            )
-        line.no_wrap = True
-        line.overflow = "ellipsis"
-        status.no_wrap = True
-        status.overflow = "ellipsis"
-        self.update(Text("\n").join([line, status]))
+            line.append_text(engine_line(view, self.unreachable_since))
+            glance = glance_line(view, stale=self.unreachable_since is not None)
+        rows = [line, status, glance]
+        for row in rows:
+            row.no_wrap = True
+            row.overflow = "ellipsis"
+        content = Text("\n").join(rows)
+        if content != getattr(self, "_shown", None):  # the same three lines: nothing to repaint
+            self._shown = content
+            self.update(content)

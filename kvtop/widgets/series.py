@@ -46,19 +46,37 @@ def ratios(history: list[dict], num: str, den: str) -> list[float]:
     return out
 
 
-def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float:
+def engine_start(frame: dict) -> float:
+    """When the engine that sent `frame` started (a new value means a new engine run)."""
+    return get(frame, "ts") - get(frame, "engine.uptime_s")
+
+
+def same_run(history: list[dict]) -> list[dict]:
+    """The frames since the engine last restarted (counters of an earlier run are not comparable)."""
+    if not history:
+        return history
+    start = engine_start(history[-1])
+    i = len(history)
+    while i > 0 and abs(engine_start(history[i - 1]) - start) < 1.0:
+        i -= 1
+    return history[i:]
+
+
+def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float | None:
     """Average per-second increase over the last `span_s` seconds of frames (or since the frame
-    before the last, where frames are further apart than that)."""
-    if len(history) < 2:
-        return 0.0
-    last = history[-1]
-    earlier = [f for f in history if f["ts"] < last["ts"]]
+    before the last, where frames are further apart than that); None where there is no earlier
+    frame of the same engine run to compare with."""
+    run = same_run(history)
+    if len(run) < 2:
+        return None
+    last = run[-1]
+    earlier = [f for f in run if f["ts"] < last["ts"]]
     if not earlier:
-        return 0.0
+        return None
     first = next((f for f in earlier if f["ts"] >= last["ts"] - span_s), earlier[-1])
     dt = last["ts"] - first["ts"]
     delta = get(last, path) - get(first, path)
-    return max(delta, 0.0) / dt if dt > 0 else 0.0
+    return max(delta, 0.0) / dt if dt > 0 else None
 
 
 def frame_at_or_before(history: list[dict], ts: float) -> dict | None:

@@ -1,10 +1,12 @@
-"""Throughput: prompt and generation tokens/s, requests/s and preemptions/s, each with a sparkline."""
+"""Throughput: prompt and generation tokens/s, requests/s, preemptions/s and rejections/s (429 queue
+full, 503 draining), each with a sparkline; then the totals."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
 from kvtop.widgets import fmt, series
+from kvtop.widgets.header import rejected_summary
 from kvtop.widgets.view import Panel, View
 
 LINES = (  # label, style, how to get the series
@@ -32,22 +34,38 @@ class ThroughputPanel(Panel):
                 )
             )
         pre = series.rates(hist, "scheduler.preemptions_total")
-        pre_now = series.latest_rate(view.history, "scheduler.preemptions_total")
         rows.append(
-            Text.assemble(
-                ("preempt/s    ", "bold"),
-                f"{fmt.rate(pre_now):>7} ",
-                (fmt.sparkline(series.bucketed(pre, spark_w), spark_w), "red"),
-            )
+            self._rate_row("preempt/s", series.latest_rate(view.history, "scheduler.preemptions_total"), pre, spark_w)
         )
+        known = rejected_total(view.frame) is not None  # frames from `kvctl run` or `LLM` have no server part
+        totals = [{"ts": f["ts"], "engine": f.get("engine"), "n": rejected_total(f)} for f in hist]
+        latest = [{"ts": f["ts"], "engine": f.get("engine"), "n": rejected_total(f)} for f in view.history[-64:]]
+        now = series.latest_rate(latest, "n") if known else None
+        rows.append(self._rate_row("rejected/s", now, series.rates(totals, "n") if known else [], spark_w))
         s = view.frame.get("scheduler", {})
         c = view.frame.get("counters", {})
+        refused = rejected_summary(view.frame)
         rows.append(
             fmt.label_value(
                 "totals",
                 f"{s.get('preemptions_total', 0)} preemptions · {c.get('requests_finished', 0)} finished · "
-                f"{c.get('requests_aborted', 0)} aborted",
+                f"{c.get('requests_aborted', 0)} aborted" + (f" · {refused or '0 rejected'}" if known else ""),
                 13,
             )
         )
         return fmt.lines(rows, height)
+
+    @staticmethod
+    def _rate_row(label: str, now: float | None, rates: list[float], spark_w: int) -> Text:
+        return Text.assemble(
+            (f"{label:<13}", "bold"),
+            f"{fmt.rate(now):>7} ",
+            (fmt.sparkline(series.bucketed(rates, spark_w), spark_w), "red"),
+        )
+
+
+def rejected_total(frame: dict) -> int | None:
+    """Requests the server refused since it started (429 queue full, 503 draining, …); None
+    where the frame has no server part (nothing refuses requests there)."""
+    rejected = (frame.get("server") or {}).get("rejected")
+    return None if rejected is None else sum(rejected.values())
