@@ -24,6 +24,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
+    peak_held_blocks: int = 0  # the most device blocks held during this schedule (just before a preemption)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +70,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.can_append(seq, n):
+                batch.peak_held_blocks = max(batch.peak_held_blocks, self.bm.num_blocks - self.bm.num_free)
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
