@@ -10,13 +10,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 SCHEMA_VERSION = 1
 FRAME_EVENTS = 50  # latest events carried in each frame
+DEVICE_STATES = {".": "free", "c": "cached", "u": "used", "s": "shared"}  # `o` lives in the CPU tier
 
 
 def build_frame(engine: LLMEngine) -> dict:
@@ -26,9 +25,11 @@ def build_frame(engine: LLMEngine) -> dict:
     sched = engine.scheduler
     blocks = bm.block_states()
     device_blocks = blocks[: kv.num_blocks]
-    used = device_blocks.count("u") + device_blocks.count("s")
-    running_active = sum(s.num_computed_tokens for s in sched.running)
+    counts = block_counts(device_blocks)
+    held = counts["used"] + counts["shared"]  # blocks held by requests: vLLM's kv_cache_usage_perc
     m = engine.metrics
+    # the peak is never below what this frame shows (it is also sampled after every schedule)
+    m.peak_kv_usage = max(m.peak_kv_usage, held / kv.num_blocks)
     p = bm.prefix
     spt = m.prefill_seconds_per_token()
     sequences = [
@@ -50,16 +51,14 @@ def build_frame(engine: LLMEngine) -> dict:
         "kv": {
             "block_size": kv.block_size,
             "num_blocks": kv.num_blocks,
-            "free": device_blocks.count(".") + device_blocks.count("c"),
-            "cached": device_blocks.count("c"),
-            "used": used,
-            "shared": device_blocks.count("s"),
+            **counts,
+            "allocatable": counts["free"] + counts["cached"],
             "offloaded": blocks.count("o"),
-            "usage": used / kv.num_blocks,
+            "usage": held / kv.num_blocks,
             "peak_usage": m.peak_kv_usage,
             "bytes_per_token": kv.bytes_per_token,
             "total_bytes": kv.total_bytes,
-            "used_bytes": used * kv.block_size * kv.bytes_per_token,
+            "used_bytes": held * kv.block_size * kv.bytes_per_token,
             "dtype": kv.kv_cache_dtype,
             "blocks": blocks,
             "cpu": _cpu_tier(bm.cpu, len(sched.swapped)),
@@ -71,7 +70,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "swapped": len(sched.swapped),
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "active_tokens": running_active,
+            "active_tokens": active_tokens(sched.running, kv.block_size),
             "preemptions_total": sched.preemptions_total,
         },
         "prefix": {
@@ -85,7 +84,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
             "evictions": p.evictions,
             "restored_blocks": p.restored_blocks,
-            "cached_blocks": device_blocks.count("c"),
+            "cached_blocks": counts["cached"],
         },
         "latency": {
             "ttft": m.ttft.summary(now),
@@ -104,6 +103,40 @@ def build_frame(engine: LLMEngine) -> dict:
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
     }
+
+
+def block_counts(device_blocks: str) -> dict[str, int]:
+    """Device blocks by map character (DESIGN §6): each block counts in exactly one state, so
+    free + cached + used + shared == num_blocks. `free` never includes `cached`, `used` never
+    includes `shared`."""
+    return {state: device_blocks.count(ch) for ch, state in DEVICE_STATES.items()}
+
+
+def active_tokens(running, block_size: int) -> int:
+    """Tokens the running sequences hold KV slots for. A prompt in prefill counts from the step
+    that schedules it (its blocks are taken then), not only once its KV is written."""
+    return sum(max(s.num_computed_tokens, min(s.num_tokens, len(s.block_table) * block_size)) for s in running)
+
+
+def normalize_kv(kv: dict) -> dict:
+    """A frame's `kv` in today's meaning. Frames written before `allocatable` existed (old
+    snapshot files) counted cached blocks inside `free` and shared ones inside `used`; this
+    takes them out and adds `allocatable`. Frames already in today's meaning, and partial ones
+    (no `cached`/`shared` to take out), are returned as they are."""
+    if "allocatable" in kv or kv.get("free") is None:
+        return kv
+    cached, shared = kv.get("cached") or 0, kv.get("shared") or 0
+    out = {**kv, "allocatable": kv["free"], "free": kv["free"] - cached}
+    if kv.get("used") is not None:
+        out["used"] = kv["used"] - shared
+    return out
+
+
+def normalize_frame(frame: dict) -> dict:
+    """`frame` with its `kv` in today's meaning (see normalize_kv); other keys untouched."""
+    if isinstance(frame, dict) and isinstance(frame.get("kv"), dict):
+        return {**frame, "kv": normalize_kv(frame["kv"])}
+    return frame
 
 
 def _cpu_tier(cpu, swapped_seqs: int) -> dict:
@@ -152,6 +185,8 @@ def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> dict:
 
 
 def _memory(engine: LLMEngine) -> dict:
+    import torch
+
     if engine.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
         device_total, device_used = total, total - free
@@ -181,6 +216,7 @@ def _nvml(engine: LLMEngine) -> dict | None:
         return None
     try:
         import pynvml
+        import torch
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device()

@@ -51,8 +51,11 @@ def block_map(chars: str, width: int = MAP_WIDTH) -> Text:
     return text
 
 
-def render_status(frame: dict, width: int = 120) -> Group:
-    """The report for a terminal `width` columns wide."""
+def render_status(frame: dict, width: int = 120, history: list[dict] | None = None) -> Group:
+    """The report for a terminal `width` columns wide; `history` (earlier frames, oldest first)
+    lets the diagnosis see rates."""
+    from kvtop.diagnosis import diagnose
+
     eng, kv, sched, prefix, lat, thr = (
         frame[k] for k in ("engine", "kv", "scheduler", "prefix", "latency", "throughput")
     )
@@ -79,11 +82,13 @@ def render_status(frame: dict, width: int = 120) -> Group:
         )
     t.add_row(
         "KV cache",
-        f"{_bar(kv['usage'])} {kv['usage'] * 100:.1f} % used · {kv['used']} used ({kv.get('shared', 0)} shared), "
-        f"{kv['cached']} cached, {kv['free'] - kv['cached']} free of {kv['num_blocks']} blocks × {kv['block_size']} tokens"
-        f" · {kv['bytes_per_token']} B/token ({kv['dtype']})",
+        f"{_bar(kv['usage'])} {kv['usage'] * 100:.1f} % held (peak {kv.get('peak_usage', kv['usage']) * 100:.1f} %)"
+        f" · {kv['used']} used, {kv.get('shared', 0)} shared, {kv['cached']} cached, {kv['free']} free"
+        f" of {kv['num_blocks']} blocks × {kv['block_size']} tokens · {kv['bytes_per_token']} B/token ({kv['dtype']})",
     )
     t.add_row("", block_map(kv["blocks"], max(16, min(MAP_WIDTH, width - 14))))
+    findings = diagnose(frame, history or [])
+    t.add_row("diagnosis", Text("\n".join(findings), style="yellow") if findings else "nothing stands out")
     cpu = kv.get("cpu") or {}
     if cpu.get("num_blocks"):
         t.add_row("CPU tier", f"{cpu['used']} / {cpu['num_blocks']} blocks")

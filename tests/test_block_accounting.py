@@ -54,7 +54,9 @@ def check_accounting(engine) -> None:
     for seq in [*sched.running, *sched.waiting]:
         assert not seq.host_table
     frame = engine.stats()
-    assert frame["kv"]["free"] + frame["kv"]["used"] == frame["kv"]["num_blocks"]
+    kv = frame["kv"]  # one count per block-map character: free excludes cached, used excludes shared
+    assert kv["free"] + kv["cached"] + kv["used"] + kv["shared"] == kv["num_blocks"]
+    assert kv["allocatable"] == kv["free"] + kv["cached"] == bm.num_free
 
 
 MODES = {

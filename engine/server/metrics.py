@@ -30,6 +30,8 @@ NUM_REQUESTS_WAITING = P + "num_requests_waiting"
 NUM_REQUESTS_SWAPPED = P + "num_requests_swapped"
 NUM_ACTIVE_TOKENS = P + "num_active_tokens"
 KV_CACHE_USAGE = P + "kv_cache_usage_perc"  # a fraction in [0, 1], as vLLM's
+KV_CACHE_PEAK_USAGE = P + "kv_cache_peak_usage_perc"  # the highest usage since start
+KV_CACHE_ALLOCATABLE = P + "kv_cache_allocatable_blocks"  # free + cached
 KV_CACHE_BLOCKS = P + "kv_cache_blocks"  # {state}
 KV_CACHE_NUM_BLOCKS = P + "kv_cache_num_blocks"
 KV_CACHE_BLOCK_SIZE = P + "kv_cache_block_size_tokens"
@@ -108,14 +110,19 @@ class FrameCollector(Collector):
         yield _gauge(NUM_REQUESTS_SWAPPED, "Requests swapped out to the CPU tier.", sched["swapped"])
         yield _gauge(NUM_ACTIVE_TOKENS, "Tokens of running requests held in the KV cache.", sched["active_tokens"])
         yield _gauge(REQUESTS_IN_FLIGHT, "Engine requests the server has in flight.", f["server"]["in_flight"])
-        yield _gauge(KV_CACHE_USAGE, "Fraction of KV blocks in use (0-1).", kv["usage"])
+        yield _gauge(KV_CACHE_USAGE, "Fraction of KV blocks held by requests, used + shared (0-1).", kv["usage"])
+        yield _gauge(KV_CACHE_PEAK_USAGE, "Highest kv_cache_usage_perc since the engine started (0-1).",
+                     kv.get("peak_usage", kv["usage"]))  # fmt: skip
         blocks = GaugeMetricFamily(
-            KV_CACHE_BLOCKS, "KV blocks by state (offloaded: in the CPU tier).", labels=["state"]
+            KV_CACHE_BLOCKS,
+            "KV blocks by state, as the block map: free (not cached), cached, used (not shared), shared, "
+            "offloaded (in the CPU tier).",
+            labels=["state"],
         )
-        device = kv["blocks"][: kv["num_blocks"]]
-        for ch, state in BLOCK_STATES.items():
-            blocks.add_metric([state], kv["blocks"].count(ch) if ch == "o" else device.count(ch))
+        for state in BLOCK_STATES.values():  # the frame's counts: one meaning per number on every surface
+            blocks.add_metric([state], kv[state])
         yield blocks
+        yield _gauge(KV_CACHE_ALLOCATABLE, "KV blocks a new request can get: free + cached.", kv["allocatable"])
         yield _gauge(KV_CACHE_NUM_BLOCKS, "KV blocks on the device.", kv["num_blocks"])
         yield _gauge(KV_CACHE_BLOCK_SIZE, "Tokens per KV block.", kv["block_size"])
         yield _gauge(KV_CACHE_BYTES_PER_TOKEN, "KV bytes per token (all layers, K and V).", kv["bytes_per_token"])
