@@ -3,7 +3,9 @@
 Every request streams (`/v1/completions`, `stream_options.include_usage`), so TTFT and each
 inter-token gap are seen as a user sees them. Arrivals are Poisson (or gamma with a burstiness
 factor, as vLLM's benchmark) at `request_rate`, or as fast as `max_concurrency` allows. When the
-server is ours, its own view (prefix hit rate, preemptions, peak KV usage) comes from `/metrics`.
+server is ours, its own view (prefix hit rate, preemptions, peak KV usage) comes from `/metrics`:
+the peak from the server's own `kvtop_kv_cache_peak_usage_perc` (it sees every step), not only
+from what the client's scrapes happened to catch.
 """
 
 from __future__ import annotations
@@ -19,159 +21,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-    "but",
-    "have",
-    "an",
-    "they",
-    "you",
-    "were",
-    "her",
-    "all",
-    "she",
-    "there",
-    "would",
-    "their",
-    "we",
-    "him",
-    "been",
-    "has",
-    "when",
-    "who",
-    "will",
-    "more",
-    "no",
-    "if",
-    "out",
-    "so",
-    "said",
-    "what",
-    "up",
-    "its",
-    "about",
-    "into",
-    "than",
-    "them",
-    "can",
-    "only",
-    "other",
-    "new",
-    "some",
-    "could",
-    "time",
-    "these",
-    "two",
-    "may",
-    "then",
-    "do",
-    "first",
-    "any",
-    "my",
-    "now",
-    "such",
-    "like",
-    "our",
-    "over",
-    "man",
-    "me",
-    "even",
-    "most",
-    "made",
-    "after",
-    "also",
-    "did",
-    "many",
-    "before",
-    "must",
-    "through",
-    "back",
-    "years",
-    "where",
-    "much",
-    "your",
-    "way",
-    "well",
-    "down",
-    "should",
-    "because",
-    "each",
-    "just",
-    "those",
-    "people",
-    "how",
-    "too",
-    "little",
-    "state",
-    "good",
-    "very",
-    "make",
-    "world",
-    "still",
-    "own",
-    "see",
-    "men",
-    "work",
-    "long",
-    "get",
-    "here",
-    "between",
-    "both",
-    "life",
-    "being",
-    "under",
-    "never",
-    "day",
-    "same",
-    "another",
-    "know",
-    "while",
-    "last",
-    "might",
-    "us",
-    "great",
-    "old",
-    "year",
-    "off",
-    "come",
-    "since",
-    "against",
-    "go",
-    "came",
-    "right",
-    "used",
-    "take",
-    "three",
-    "cache",
-    "memory",
-    "block",
-    "token",
-    "request",
-    "latency",
-]
+_WORDS_TEXT = """
+    the of and to in is that for it as was with be by on not he this are or his from at which but
+    have an they you were her all she there would their we him been has when who will more no if out
+    so said what up its about into than them can only other new some could time these two may then
+    do first any my now such like our over man me even most made after also did many before must
+    through back years where much your way well down should because each just those people how too
+    little state good very make world still own see men work long get here between both life being
+    under never day same another know while last might us great old year off come since against go
+    came right used take three cache memory block token request latency
+"""
+WORDS = _WORDS_TEXT.split()  # prompt vocabulary: common English words and a few of ours
 
 
 @dataclass
@@ -322,6 +182,10 @@ async def _one(
 
 
 # ---- the server's own view ------------------------------------------------------------------
+KV_USAGE = "kvtop_kv_cache_usage_perc"
+KV_PEAK = "kvtop_kv_cache_peak_usage_perc"  # since the server started
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -334,22 +198,46 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event, peak: dict) -> None:
+    """Sample KV usage while the run lasts. A failed scrape (a busy server, a timeout) is counted
+    and the next one tried: one bad answer must not end the sampling for the rest of the run."""
     while not stop.is_set():
         try:
-            m = parse_metrics((await client.get(f"{base}/metrics")).text)
-            peak["kv"] = max(peak.get("kv", 0.0), m.get("kvtop_kv_cache_usage_perc", 0.0))
-        except Exception:
-            return  # not our server, or no /metrics: the client-side figures stand alone
-        await asyncio.sleep(0.1)  # short runs must still be sampled while requests hold blocks
+            r = await client.get(f"{base}/metrics", timeout=5.0)
+            m = parse_metrics(r.text) if r.status_code == 200 else {}
+            if KV_USAGE in m:
+                peak["kv"] = max(peak.get("kv", 0.0), m[KV_USAGE])
+            else:
+                peak["failed_scrapes"] = peak.get("failed_scrapes", 0) + 1
+        except (httpx.HTTPError, ValueError):
+            peak["failed_scrapes"] = peak.get("failed_scrapes", 0) + 1
+        try:  # short runs must still be sampled while requests hold blocks
+            await asyncio.wait_for(stop.wait(), timeout=0.1)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def _server_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
     try:
         r = await client.get(f"{base}/metrics")
         m = parse_metrics(r.text) if r.status_code == 200 else {}
-    except httpx.HTTPError:
+    except (httpx.HTTPError, ValueError):
         return None
     return m if any(k.startswith("kvtop_") for k in m) else None
+
+
+def peak_kv_usage(before: dict, after: dict, sampled: float) -> float:
+    """The run's peak KV usage. The server's own peak (since it started) is exact, but it only
+    belongs to this run when the run raised it; otherwise the client's samples are what we have."""
+    if after.get(KV_PEAK, 0.0) > before.get(KV_PEAK, 0.0):
+        return max(after[KV_PEAK], sampled)
+    return max(sampled, after.get(KV_USAGE, 0.0))
+
+
+def api_base(base_url: str) -> str:
+    """The server root from what a user may paste: `http://h:8000`, `http://h:8000/` or the
+    `http://h:8000/v1` that `kvctl serve` prints and the openai client takes."""
+    base = base_url.strip().rstrip("/")
+    return base.removesuffix("/v1")
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -366,7 +254,7 @@ async def run_bench(
     timeout: float = 600.0,
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> tuple[list[RequestResult], float, dict]:
-    base = base_url.rstrip("/")
+    base = api_base(base_url)
     url = f"{base}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
@@ -408,7 +296,8 @@ async def run_bench(
             server = {
                 "prefix_hit_rate": delta("kvtop_prefix_cache_hits_total") / queries if queries else 0.0,
                 "preemptions": delta("kvtop_num_preemptions_total"),
-                "peak_kv_usage": max(peak.get("kv", 0.0), after.get("kvtop_kv_cache_usage_perc", 0.0)),
+                "peak_kv_usage": peak_kv_usage(before, after, peak.get("kv", 0.0)),
+                "failed_scrapes": peak.get("failed_scrapes", 0),
             }
     return list(results), duration, server
 

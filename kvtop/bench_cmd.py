@@ -39,7 +39,9 @@ def _ms(v) -> str:
 @bench_app.callback(invoke_without_command=True)
 def bench_run(
     ctx: typer.Context,
-    base_url: Annotated[str, typer.Option(help="Server address.")] = "http://127.0.0.1:8000",
+    base_url: Annotated[
+        str, typer.Option(help="Server address, with or without the /v1 that `kvctl serve` prints.")
+    ] = "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
     dataset: Annotated[str, typer.Option(help=" | ".join(DATASETS))] = "random",
     num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
@@ -90,7 +92,7 @@ def bench_run(
             raise typer.BadParameter(str(exc), param_hint="--file") from None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        models = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=10).json()
+        models = httpx.get(f"{bench.api_base(base_url)}/v1/models", headers=headers, timeout=10).json()
         model = model or models["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         err.print(f"kvctl: no OpenAI-compatible server answers at {base_url} (GET /v1/models failed)", soft_wrap=True)

@@ -58,15 +58,22 @@ class CLIError(Exception):
         self.code = code
 
 
-@app.callback()
-def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    """Eager: answers before the group looks for a command (otherwise "Missing command")."""
+    if value:
         from kvtop import __version__
 
-        out.print(f"kvctl {__version__}")
+        print(f"kvctl {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
+) -> None:
+    pass
 
 
 def _ms(v: float | None) -> str:
@@ -277,10 +284,12 @@ def status(
 
     with _client(socket) as c:
         frame = c.stats()
-    if json_out:
-        print(json.dumps(frame, indent=2))
-        return
-    out.print(render_status(frame, out.width))
+        if json_out:
+            print(json.dumps(frame, indent=2))
+            return
+        # the last seconds of the flight recorder, so rate findings (preemptions/s…) can be made
+        history = c.history(since=frame["ts"] - 10.0).get("frames", [])
+    out.print(render_status(frame, out.width, history))
 
 
 @app.command()
