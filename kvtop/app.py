@@ -352,8 +352,14 @@ def run(
     replay: Annotated[
         Path | None, typer.Option("--replay", help="Replay a .kvsnap snapshot instead of watching an engine.")
     ] = None,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)] = False,
 ) -> None:
     """kvtop [--socket PATH] [--interval S] [--readonly] | kvtop --replay FILE"""
+    if version:
+        from kvtop import __version__
+
+        print(f"kvtop {__version__}")
+        raise typer.Exit()
     if replay is not None:
         from engine.snapshot import SnapshotError, read_snapshot
 
