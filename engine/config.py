@@ -41,7 +41,7 @@ def format_bytes(n: float) -> str:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
-ATTENTION_BACKENDS = ("auto", "triton", "reference")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -95,3 +95,14 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name != "extra"]
+
+
+def context_limit_warning(max_model_len: int, kv_tokens: int) -> str | None:
+    """One line for an operator when the KV cache cannot hold a single sequence of `max_model_len`
+    tokens: then the real limit is the cache, and a long request would only fail later."""
+    if kv_tokens >= max_model_len:
+        return None
+    return (
+        f"max_model_len {max_model_len} but the KV cache holds {kv_tokens} tokens: requests are limited to "
+        f"{kv_tokens} tokens (prompt + output; /v1/models says so) — raise --kv-cache-memory or lower --max-model-len"
+    )

@@ -53,6 +53,16 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_attention_kernel() -> None:
+    """Build the C++ CPU attention kernel before the first test (once per machine, tens of seconds
+    on two cores), so no test's time limit or server start-up wait pays for it."""
+    if not torch.cuda.is_available():
+        from engine.kernels import cpu
+
+        cpu.load()
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     """Pilot tests run on asyncio."""

@@ -1,7 +1,9 @@
-"""Paged-attention kernels: the same three functions in Triton (GPU) and plain torch (CPU, oracle).
+"""Paged-attention kernels: the same three functions in Triton (GPU), C++ for the CPU, and plain
+torch (the reference, the oracle the others are tested against).
 
-`get_backend(name, device)` returns the module to call; `auto` picks Triton on CUDA and the
-reference elsewhere.
+`get_backend(name, device)` returns the module to call; `auto` picks Triton on CUDA and the C++
+CPU kernels elsewhere. When those cannot be built here, the reference serves (said once, in
+`engine.kernels.cpu`), and `resolve_backend_name` names the backend that really runs.
 """
 
 from __future__ import annotations
@@ -12,9 +14,18 @@ from types import ModuleType
 from engine.errors import ConfigError
 
 
+def _cpu_kernels_available() -> bool:
+    from engine.kernels import cpu
+
+    return cpu.load()
+
+
 def resolve_backend_name(name: str, device: str) -> str:
+    on_cuda = device.startswith("cuda")
     if name == "auto":
-        return "triton" if device.startswith("cuda") else "reference"
+        name = "triton" if on_cuda else "cpu"
+    if name == "cpu" and not on_cuda and not _cpu_kernels_available():
+        return "reference"
     return name
 
 
@@ -24,9 +35,15 @@ def get_backend(name: str, device: str) -> ModuleType:
         from engine.kernels import reference
 
         return reference
+    if resolved == "cpu":
+        if device.startswith("cuda"):
+            raise ConfigError("attention_backend=cpu runs on CPU devices only: use auto or triton on CUDA")
+        from engine.kernels import cpu
+
+        return cpu
     if resolved == "triton":
         try:
             return importlib.import_module("engine.kernels.triton")
         except ImportError as exc:  # triton missing, or the module not built yet
             raise ConfigError(f"attention_backend=triton is not available here: {exc}") from exc
-    raise ConfigError(f"unknown attention backend {name!r}: use auto, triton or reference")
+    raise ConfigError(f"unknown attention backend {name!r}: use auto, cpu, triton or reference")

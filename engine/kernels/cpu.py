@@ -1,0 +1,149 @@
+"""CPU paged attention that reads the KV blocks where they lie: a small C++ extension
+(`csrc/paged_attention.cpp`), with the signatures of `engine.kernels.reference`.
+
+The extension is built on the machine that runs it (`-O3 -march=native`: machines differ) the
+first time it is needed, into `$KVTOP_CACHE/kernels/cpu-attention-<key>`, where the key hashes
+the source, the torch version, the CPU's flags and the compiler. Later processes load the built
+library in milliseconds. If the build fails (no compiler, no ninja) one line says so and
+`engine.kernels.get_backend` serves the reference kernels instead: never a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+# Writing K/V is an index_put over the new tokens' slots: the reference's is already in place.
+from engine.kernels.reference import store_kv  # noqa: F401
+from engine.model.loader import cache_dir, log
+
+NAME = "kvtop_cpu_attention"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}  # this process's one attempt: {"ok": bool}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives: a new source, torch, CPU or compiler means a new build."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__, _cpu_flags(), " ".join(CFLAGS), os.environ.get("CXX", "")):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
+    return cache_dir() / "kernels" / f"cpu-attention-{digest.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (once per machine) and load the extension. False, said once per process, if it cannot."""
+    with _lock:
+        if "ok" not in _loaded:
+            _loaded["ok"] = _load()
+        return _loaded["ok"]
+
+
+def _load() -> bool:
+    directory = build_dir()
+    library, built = directory / f"{NAME}.so", directory / "built"
+    try:
+        if not (built.exists() and library.exists()):
+            _build(directory)
+            built.touch()
+        torch.ops.load_library(str(library))
+        return True
+    except Exception as exc:  # any failure to build or load means the reference serves
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "error" in ln.lower() and ln != lines[0]), "")
+        reason = "; ".join(x for x in (lines[0] if lines else type(exc).__name__, detail) if x)
+        log(f"the CPU attention kernel could not be built ({reason[:300]}); using the reference kernels")
+        return False
+
+
+def _build(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    print("[kvtop] building the CPU attention kernel (once)…", file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    _ensure_ninja_on_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compiler-version notes: the one line on failure is ours
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def _ensure_ninja_on_path() -> None:
+    """pip's `ninja` lands beside the interpreter, which is not on PATH when the venv is not active."""
+    if shutil.which("ninja"):
+        return
+    here = Path(sys.executable).parent
+    if (here / "ninja").exists():
+        os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def _as_query(q: torch.Tensor) -> torch.Tensor:
+    q = q.float()  # a no-op for float32; bf16/fp16 queries are small next to the cache
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence `[num_seqs, num_heads, head_dim]` over its cached context."""
+    out = torch.ops.kvtop_cpu.paged_decode(
+        _as_query(q), k_cache, v_cache, _as_int32(block_tables), seq_lens, float(scale), k_scale, v_scale
+    )
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens `q [total_q, num_heads, head_dim]` over each sequence's
+    whole context in the cache (its cached prefix plus the new tokens, already stored)."""
+    out = torch.ops.kvtop_cpu.paged_prefill(
+        _as_query(q), k_cache, v_cache, _as_int32(block_tables), cu_seqlens_q, seq_lens, float(scale), k_scale, v_scale
+    )
+    return out.to(q.dtype)

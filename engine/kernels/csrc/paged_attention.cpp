@@ -1,0 +1,299 @@
+// Paged attention on the CPU, reading K/V where they lie in the block layout
+// [num_blocks, block_size, kv_heads, head_dim] (no gather into a contiguous copy).
+//
+// One work item is one KV head of one sequence with a set of query rows: decode takes the
+// GQA group of the sequence's one token (G rows), prefill a tile of up to kTileTokens new
+// tokens times G heads. Each K/V row is loaded (and dequantized) once for all the rows of the
+// item; the softmax is online, one key block at a time. Items run in parallel through
+// at::parallel_for. Accumulation is fp32 whatever the query and cache dtypes.
+//
+// Built by engine/kernels/cpu.py with -O3 -march=native -fopenmp-simd; plain loops that the
+// compiler vectorizes (omp simd) keep the build light: no vec.h, no pybind11.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileTokens = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// fp8 e4m3 to float through a table: the bit-level conversion does not vectorize.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d, float s) {
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const float* lut = fp8_table();
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+    for (int64_t i = 0; i < d; ++i) dst[i] = lut[bits[i]] * s;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * s;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+// One layer's K or V cache and its dequantization scales, as one KV head sees it.
+struct CacheView {
+  const void* data;
+  int64_t block_stride, row_stride, head_stride;
+  const float* scales = nullptr;  // int8: per token per head; fp8: per tensor (one element)
+  int64_t scale_block_stride = 0, scale_row_stride = 0, scale_head_stride = 0;
+  bool per_token = false;
+
+  CacheView(const at::Tensor& cache, const std::optional<at::Tensor>& scale) {
+    data = cache.data_ptr();
+    block_stride = cache.stride(0);
+    row_stride = cache.stride(1);
+    head_stride = cache.stride(2);
+    if (scale.has_value() && scale->defined()) {
+      scales = scale->data_ptr<float>();
+      per_token = cache.scalar_type() == at::kChar;
+      if (per_token) {
+        scale_block_stride = scale->stride(0);
+        scale_row_stride = scale->stride(1);
+        scale_head_stride = scale->stride(2);
+      }
+    }
+  }
+
+  float scale_of(int64_t block, int64_t row, int64_t head) const {
+    if (scales == nullptr) return 1.f;
+    if (!per_token) return scales[0];
+    return scales[block * scale_block_stride + row * scale_row_stride + head * scale_head_stride];
+  }
+};
+
+// Per-thread buffers, sized once per parallel chunk.
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l, kbuf, vbuf;
+  std::vector<int64_t> limit;
+  Scratch(int64_t rows, int64_t block_size, int64_t d)
+      : q(rows * d), acc(rows * d), scores(rows * block_size), m(rows), l(rows), kbuf(block_size * d),
+        vbuf(block_size * d), limit(rows) {}
+};
+
+// Rows of one block for one head as fp32: the cache itself when it is fp32, else a dequantized copy.
+template <typename T>
+inline const float* block_rows(const CacheView& c, int64_t block, int64_t head, int64_t n, int64_t d, float* buf,
+                               int64_t* stride) {
+  const T* base = static_cast<const T*>(c.data) + block * c.block_stride + head * c.head_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    *stride = c.row_stride;
+    return base;
+  } else {
+    for (int64_t j = 0; j < n; ++j) load_row<T>(base + j * c.row_stride, buf + j * d, d, c.scale_of(block, j, head));
+    *stride = d;
+    return buf;
+  }
+}
+
+// Attention of `rows` prescaled query rows (s.q) over the first s.limit[r] keys of one KV head of
+// one sequence; the result, normalized, lands in s.acc.
+template <typename T>
+void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, int64_t d, int64_t head,
+            const CacheView& kc, const CacheView& vc) {
+  int64_t max_limit = *std::max_element(s.limit.begin(), s.limit.begin() + rows);
+  std::fill(s.acc.begin(), s.acc.begin() + rows * d, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  const int64_t nblocks = (max_limit + block_size - 1) / block_size;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t start = b * block_size;
+    const int64_t n = std::min(block_size, max_limit - start);  // never read past the longest row
+    const int64_t block = table[b];
+    int64_t kstride, vstride;
+    const float* k = block_rows<T>(kc, block, head, n, d, s.kbuf.data(), &kstride);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
+      float* sc = s.scores.data() + r * block_size;
+      const float* qr = s.q.data() + r * d;
+      for (int64_t j = 0; j < visible; ++j) sc[j] = dot(qr, k + j * kstride, d);
+      if (visible == 0) continue;
+      float mb = *std::max_element(sc, sc + visible);
+      const float m_new = std::max(s.m[r], mb);
+      const float alpha = std::exp(s.m[r] - m_new);
+      float sum = 0.f;
+      for (int64_t j = 0; j < visible; ++j) sum += (sc[j] = std::exp(sc[j] - m_new));
+      for (int64_t j = visible; j < n; ++j) sc[j] = 0.f;
+      s.l[r] = s.l[r] * alpha + sum;
+      s.m[r] = m_new;
+      if (alpha != 1.f) {
+        float* a = s.acc.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+      }
+    }
+    const float* v = block_rows<T>(vc, block, head, n, d, s.vbuf.data(), &vstride);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + j * vstride;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (s.limit[r] - start <= j) continue;
+        axpy(s.scores[r * block_size + j], vr, s.acc.data() + r * d, d);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / s.l[r];
+    float* a = s.acc.data() + r * d;
+    for (int64_t i = 0; i < d; ++i) a[i] *= inv;
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "q: float32 [tokens, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache: [blocks, bs, kvh, d]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ in dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+}
+
+// A query token's place: its row in q and out, its sequence, and how many keys it sees.
+struct Tile {
+  int64_t seq, first_token, num_tokens, first_limit;
+};
+
+template <typename T>
+void run_tiles(const at::Tensor& q, at::Tensor& out, const CacheView& kc, const CacheView& vc,
+               const at::Tensor& block_tables, const std::vector<Tile>& tiles, int64_t kv_heads, int64_t block_size,
+               double scale) {
+  const int64_t heads = q.size(1), d = q.size(2), group = heads / kv_heads;
+  int64_t max_rows = 0;
+  for (const Tile& t : tiles) max_rows = std::max(max_rows, t.num_tokens * group);
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  float* op = out.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.size(1);
+  const auto sc = static_cast<float>(scale);
+  const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(max_rows, block_size, d);
+    for (int64_t item = begin; item < end; ++item) {
+      const Tile& t = tiles[item / kv_heads];
+      const int64_t h = item % kv_heads;
+      const int64_t rows = t.num_tokens * group;
+      for (int64_t i = 0; i < t.num_tokens; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* src = qp + (t.first_token + i) * qs0 + (h * group + g) * qs1;
+          float* dst = s.q.data() + (i * group + g) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * sc;
+          s.limit[i * group + g] = t.first_limit + i;
+        }
+      }
+      attend<T>(s, rows, tables + t.seq * table_stride, block_size, d, h, kc, vc);
+      for (int64_t i = 0; i < t.num_tokens; ++i) {
+        float* dst = op + ((t.first_token + i) * heads + h * group) * d;
+        std::copy(s.acc.data() + i * group * d, s.acc.data() + (i + 1) * group * d, dst);
+      }
+    }
+  });
+}
+
+at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const std::vector<Tile>& tiles, double scale,
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (tiles.empty()) return out;
+  const CacheView kc(k_cache, k_scale), vc(v_cache, v_scale);
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      run_tiles<float>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+      break;
+    case at::kBFloat16:
+      run_tiles<c10::BFloat16>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+      break;
+    case at::kHalf:
+      run_tiles<c10::Half>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+      break;
+    case at::kChar:
+      TORCH_CHECK(kc.scales && vc.scales, "an int8 cache needs k_scale and v_scale");
+      run_tiles<int8_t>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+      break;
+    case at::kFloat8_e4m3fn:
+      TORCH_CHECK(kc.scales && vc.scales, "an fp8 cache needs k_scale and v_scale");
+      run_tiles<c10::Float8_e4m3fn>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_inputs(q, k_cache, v_cache, block_tables);
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<Tile> tiles;
+  tiles.reserve(q.size(0));
+  for (int64_t s = 0; s < q.size(0); ++s) tiles.push_back({s, s, 1, lp[s]});
+  return dispatch(q, k_cache, v_cache, block_tables, tiles, scale, k_scale, v_scale);
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                         double scale, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
+  check_inputs(q, k_cache, v_cache, block_tables);
+  const at::Tensor cu = cu_seqlens_q.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t *cp = cu.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < lens.size(0); ++s) {
+    const int64_t q_len = cp[s + 1] - cp[s];
+    // query i of the sequence sits at position seq_len - q_len + i and sees the keys up to it
+    for (int64_t i = 0; i < q_len; i += kTileTokens) {
+      tiles.push_back({s, cp[s] + i, std::min(kTileTokens, q_len - i), lp[s] - q_len + i + 1});
+    }
+  }
+  return dispatch(q, k_cache, v_cache, block_tables, tiles, scale, k_scale, v_scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvtop_cpu, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "Tensor? k_scale, Tensor? v_scale) -> Tensor",
+      &paged_decode);
+  m.def(
+      "paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+      "Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale) -> Tensor",
+      &paged_prefill);
+}
