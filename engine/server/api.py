@@ -457,7 +457,7 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
             "created": created,
             "owned_by": "kvtop",
             "root": str(engine.model_path),
-            "max_model_len": engine.max_model_len,
+            "max_model_len": engine.max_seq_len,  # min(max_model_len, KV capacity): what a request can use
         }
         return {"object": "list", "data": [card]}
 

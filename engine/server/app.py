@@ -21,7 +21,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.config import EngineConfig, format_bytes
+from engine.config import EngineConfig, context_limit_warning, format_bytes
 from engine.model.loader import log
 from engine.server.config import ServerConfig
 from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
@@ -123,6 +123,7 @@ def startup_summary(engine, config: ServerConfig, api_url: str, socket_path: Pat
         f"  KV cache  {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, {kv.num_blocks} blocks × {kv.block_size} "
         f"= {cap} tokens in {format_bytes(kv.total_bytes)}; max_model_len {engine.max_model_len}, "
         f"max_num_seqs {engine.config.max_num_seqs}, queue {config.max_queue}",
+        *([f"  warning   {w}"] if (w := context_limit_warning(engine.max_model_len, cap)) else []),
         f"  OpenAI    {api_url}/v1  (completions, chat/completions, models)"
         + ("  API key required" if config.api_key else ""),
         f"  metrics   {api_url}/metrics    health {api_url}/health",
