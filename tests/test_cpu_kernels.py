@@ -1,0 +1,153 @@
+"""The C++ CPU kernels (`engine.kernels.cpu`) against the torch reference (the oracle), and the
+fallback to the reference when the kernel cannot be built.
+
+Tolerances, stated once:
+- float32 queries over a float32, int8 or fp8 cache: 2e-5 abs and rel (both accumulate in fp32;
+  only the order of the sums differs; measured worst about 1.5e-6).
+- bfloat16 queries over a bfloat16 cache: 2e-2 abs and rel (the kernel accumulates in fp32 and
+  rounds once; the reference runs SDPA in bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import cpu
+from engine.kernels import reference as ref
+from tests.test_triton_kernels import Paged, cu_seqlens, strided_q
+
+pytestmark = pytest.mark.skipif(not cpu.load(), reason="the CPU attention kernel could not be built here")
+
+FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+# (num_heads, num_kv_heads): GQA ratios 1, 3 (SmolLM2's 9:3) and 8
+HEADS = [(4, 4), (9, 3), (8, 1)]
+KINDS = ["auto", "int8", "fp8"]
+
+
+def decode_case(kind, heads, kv_heads, head_dim, block_size=16, dtype=torch.float32, seed=0):
+    # 1 token, exactly one full block, ragged lengths that leave the last block part-filled, hundreds
+    lens = [1, block_size, 45, 333, 130]
+    cache = Paged(lens, block_size, kv_heads, head_dim, kind=kind, dtype=dtype, seed=seed)
+    q = strided_q(len(lens), heads, head_dim, seed=seed + 1, dtype=dtype)
+    return (q, *cache.cache_args(), cache.block_tables, cache.seq_lens, head_dim**-0.5), cache.scales()
+
+
+def prefill_case(kind, heads, kv_heads, head_dim, block_size=16, dtype=torch.float32, seed=0):
+    # (cached prefix, new tokens): a lone token, a fresh prompt longer than a query tile, and
+    # prompts whose prefix is cached (one ending mid-block, one hundreds of tokens long)
+    seqs = [(0, 1), (0, 45), (block_size + 5, 30), (200, 90), (7, 1)]
+    lens = [p + n for p, n in seqs]
+    cache = Paged(lens, block_size, kv_heads, head_dim, kind=kind, dtype=dtype, seed=seed)
+    q_lens = [n for _, n in seqs]
+    q = strided_q(sum(q_lens), heads, head_dim, seed=seed + 1, dtype=dtype)
+    args = (q, *cache.cache_args(), cache.block_tables, cu_seqlens(q_lens), cache.seq_lens, head_dim**-0.5)
+    return args, cache.scales()
+
+
+PHASES = {"decode": (decode_case, "paged_decode_attention"), "prefill": (prefill_case, "paged_prefill_attention")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_matches_reference(kind, heads, kv_heads, head_dim):
+    args, scales = decode_case(kind, heads, kv_heads, head_dim, seed=head_dim + heads)
+    out = cpu.paged_decode_attention(*args, **scales)
+    assert out.shape == args[0].shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.paged_decode_attention(*args, **scales), **FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_with_cached_prefix_matches_reference(kind, heads, kv_heads, head_dim):
+    args, scales = prefill_case(kind, heads, kv_heads, head_dim, seed=head_dim * heads)
+    out = cpu.paged_prefill_attention(*args, **scales)
+    assert out.shape == args[0].shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.paged_prefill_attention(*args, **scales), **FP32_TOL)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes(phase, block_size):
+    case, kernel = PHASES[phase]
+    args, _ = case("auto", 9, 3, 64, block_size=block_size, seed=block_size)
+    torch.testing.assert_close(getattr(cpu, kernel)(*args), getattr(ref, kernel)(*args), **FP32_TOL)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_bf16_matches_reference(phase):
+    case, kernel = PHASES[phase]
+    args, _ = case("auto", 9, 3, 64, dtype=torch.bfloat16, seed=3)
+    out = getattr(cpu, kernel)(*args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), getattr(ref, kernel)(*args).float(), **BF16_TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_never_reads_past_seq_len(kind):
+    """Unwritten slots and the blocks that padding table entries point at hold NaN: the kernels
+    must not read them (a masked-out NaN still poisons a softmax or a P·V product)."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    lens, q_lens = [5, 40, 67], [5, 9, 1]
+    cache = Paged(lens, block_size, kv_heads, head_dim, kind=kind, seed=31)
+    clean = {"k": cache.k_cache.clone(), "v": cache.v_cache.clone()}
+    clean_scales = {n: None if s is None else s.clone() for n, s in cache.scales().items()}
+    rows = cache.k_cache.shape[0] * block_size
+    live = torch.zeros(rows, dtype=torch.bool)
+    for s, n in enumerate(lens):
+        pos = torch.arange(n)
+        live[cache.block_tables[s, pos // block_size].long() * block_size + pos % block_size] = True
+    if kind == "auto":
+        for t in (cache.k_cache, cache.v_cache):
+            t.view(rows, -1)[~live] = float("nan")
+    elif kind == "int8":
+        for t in (cache.k_scale, cache.v_scale):
+            t.view(rows, -1)[~live] = float("nan")
+    else:
+        for t in (cache.k_cache, cache.v_cache):
+            t.view(torch.uint8).view(rows, -1)[~live] = 0x7F  # fp8 NaN
+    q = strided_q(sum(q_lens), heads, head_dim, seed=32)
+    tables, seq_lens = cache.block_tables, cache.seq_lens
+    out = cpu.paged_decode_attention(q[: len(lens)], *cache.cache_args(), tables, seq_lens, 0.125, **cache.scales())
+    want = ref.paged_decode_attention(q[: len(lens)], clean["k"], clean["v"], tables, seq_lens, 0.125, **clean_scales)
+    torch.testing.assert_close(out, want, **FP32_TOL)
+    cu = cu_seqlens(q_lens)
+    out = cpu.paged_prefill_attention(q, *cache.cache_args(), tables, cu, seq_lens, 0.125, **cache.scales())
+    want = ref.paged_prefill_attention(q, clean["k"], clean["v"], tables, cu, seq_lens, 0.125, **clean_scales)
+    torch.testing.assert_close(out, want, **FP32_TOL)
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    args, _ = decode_case("auto", 4, 4, 64)
+    q, k, v, tables, lens, scale = args
+    out = cpu.paged_decode_attention(q[:0], k, v, tables[:0], lens[:0], scale)
+    assert out.shape == (0, 4, 64)
+
+
+def test_a_failed_build_falls_back_to_the_reference(tiny_dir, tmp_path):
+    """A compiler that fails (a real build failure, in a fresh cache) costs one line on stderr; the
+    engine then runs on the reference kernels, says so in its stats, and generates."""
+    script = (
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_dir)!r}, dtype='float32', kv_cache_memory='2MiB', attention_backend='cpu', quiet=True)\n"
+        "out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))\n"
+        "print(llm.stats()['engine']['attention_backend'], len(out[0].token_ids))\n"
+    )
+    env = {**os.environ, "KVTOP_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["reference", "4"]
+    assert "Traceback" not in proc.stderr
+    failures = [line for line in proc.stderr.splitlines() if "could not be built" in line]
+    assert len(failures) == 1 and "using the reference kernels" in failures[0]
