@@ -10,8 +10,9 @@ for a bigger terminal. Panel state that must survive a rebuild lives in the app'
 
 from __future__ import annotations
 
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.containers import Container, Horizontal, Vertical
+from textual.filter import ANSIToTruecolor, Monochrome, NoColor
 from textual.widgets import Static, TabbedContent, TabPane
 
 from kvtop.messages import LayoutRebuilt
@@ -48,10 +49,23 @@ def layout_for(width: int, height: int) -> str:
     return "tabs"
 
 
+def without_colour(app: App) -> None:
+    """Under NO_COLOR Textual still draws in greys (its Monochrome filter): a terminal that asked
+    for no colour gets none. Every colour becomes the terminal's default; bold, dim and reverse
+    stay (the truecolor filter, which turns dim into a fainter colour, goes too), and the
+    characters carry the meaning anyway."""
+    if app.no_color:
+        kept = [f for f in app._filters if not isinstance(f, Monochrome | ANSIToTruecolor | NoColor)]
+        app._filters = [*kept, NoColor()]
+
+
 class Dashboard(Container):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.mode: str | None = None
+
+    def on_mount(self) -> None:
+        without_colour(self.app)
 
     def compose(self) -> ComposeResult:
         if self.mode is None:

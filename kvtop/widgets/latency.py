@@ -39,12 +39,15 @@ def window_counts(view: View, name: str) -> tuple[list[int], str]:
 
 
 def bound(v: float) -> str:
-    """A bucket bound, short: 5ms, 80ms, 1s, 2.5s, 10s, 2m."""
+    """A bucket bound, short, in the unit that keeps it to three figures: 2.5ms, 80ms, 1s, 7.5s,
+    80s, 10.7m, 2.13h."""
     if v < 1:
-        return f"{v * 1000:g}ms"
+        return f"{v * 1e3:.3g}ms"
     if v < 120:
-        return f"{v:g}s"
-    return f"{v / 60:g}m"
+        return f"{v:.3g}s"
+    if v < 7200:
+        return f"{v / 60:.3g}m"
+    return f"{v / 3600:.3g}h"
 
 
 def pct_line(label: str, summary: dict) -> str:
