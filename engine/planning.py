@@ -1,23 +1,46 @@
 """Capacity planning (`kvctl plan`): the article's arithmetic for any supported model.
 
 KV bytes per token = layers × 2 × kv_heads × head_dim × bytes per element (+ int8 scales); what fits
-in a memory budget after the weights; how many sequences of a given context length fit at once;
+in a memory budget after the weights (of memory × gpu_memory_utilization, as vLLM); how many sequences of a given context length fit at once;
 what grouped-query attention saves against the same model with a full multi-head KV.
 Every number comes from the same functions the engine sizes its cache with.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.errors import ModelLoadError
+from engine.config import format_bytes
+from engine.errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
     from engine.model.llama import ModelSpec
 
 PLAN_KV_DTYPES = ("auto", "fp8_e4m3", "int8")
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the share of device memory the engine may take
+
+# Shapes of well-known models, so `kvctl plan llama3-8b` works without downloading anything
+# (from their published config.json files; weights are never needed to plan).
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, rope_theta=10000.0, sliding_window=None),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, rope_theta=1000000.0),
+}  # fmt: skip
+
+
+class PlanError(ConfigError):
+    """A budget that cannot work (the weights do not fit, a KV budget beyond the memory): the
+    message says so in one line and what to change."""
 
 
 def spec_for(model: str) -> tuple[ModelSpec, str]:
@@ -28,6 +51,9 @@ def spec_for(model: str) -> tuple[ModelSpec, str]:
     from engine.model.loader import resolve_model_dir, spec_from_config
 
     path = Path(model).expanduser()
+    if model in PRESETS and not path.exists():
+        preset = dict(PRESETS[model])
+        return spec_from_config(AutoConfig.for_model(preset.pop("model_type"), **preset)), model
     try:
         if path.suffix == ".gguf" and path.is_file():
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -78,11 +104,46 @@ class Plan:
     block_size: int
     contexts: list[int]
     options: list[KVOption]
+    max_position_embeddings: int = 0
+    memory_bytes: int | None = None  # the device memory asked about, when it was
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def gqa_saving(self) -> float:
         """How many times smaller the KV is than full multi-head attention's."""
         return self.heads / self.kv_heads
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """What the engine may take of `memory_bytes`; the rest is headroom (activations, other processes)."""
+        return None if self.memory_bytes is None else int(self.memory_bytes * self.gpu_memory_utilization)
+
+
+def kv_budget(weights: int, kv_cache_memory: int | None, memory: int | None, utilization: float) -> int:
+    """The KV bytes a plan works with, or PlanError when the numbers contradict each other: with
+    `memory`, the engine may use memory × utilization (vLLM's --gpu-memory-utilization), weights first."""
+    if not 0.0 < utilization <= 1.0:
+        raise PlanError(f"--gpu-memory-utilization {utilization:g} must be in (0, 1]")
+    if memory is None:
+        if kv_cache_memory is None:
+            raise PlanError("give --kv-cache-memory or --memory")
+        return kv_cache_memory
+    usable = int(memory * utilization)
+    where = f"{format_bytes(usable)} usable ({format_bytes(memory)} × {utilization:g})"
+    if weights >= usable:
+        raise PlanError(
+            f"the weights ({format_bytes(weights)}) do not fit in {where}: nothing is left for the KV cache — "
+            "more --memory, a smaller model or --dtype"
+        )
+    if kv_cache_memory is None:
+        return usable - weights
+    if weights + kv_cache_memory > usable:
+        raise PlanError(
+            f"--kv-cache-memory {format_bytes(kv_cache_memory)} and {format_bytes(weights)} of weights exceed "
+            f"{where}: at most {format_bytes(usable - weights)} is left for KV"
+        )
+    return kv_cache_memory
 
 
 def plan(
@@ -93,9 +154,11 @@ def plan(
     block_size: int = 16,
     contexts: list[int] | None = None,
     kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> Plan:
-    """Figures for a KV budget given directly (`kv_cache_memory`) or as what `memory` leaves after
-    the weights."""
+    """Figures for a KV budget given directly (`kv_cache_memory`), or as what `memory` × utilization
+    leaves after the weights, or both (the KV budget, checked against the memory). Raises PlanError
+    where the weights or the budget do not fit."""
     import torch
 
     from engine.kv.cache import bytes_per_token, num_blocks_for
@@ -105,16 +168,13 @@ def plan(
     torch_dtype = TORCH_DTYPES[dtype]
     params = parameter_count(spec)
     weights = params * torch.empty((), dtype=torch_dtype).element_size()
-    if kv_cache_memory is None:
-        if memory is None:
-            raise ValueError("give kv_cache_memory or memory")
-        kv_cache_memory = max(0, memory - weights)
+    kv_memory = kv_budget(weights, kv_cache_memory, memory, gpu_memory_utilization)
     contexts = contexts or [spec.max_position_embeddings]
     mha = replace(spec, num_kv_heads=spec.num_heads)
     options = []
     for kvd in kv_dtypes:
         bpt = bytes_per_token(spec, kvd, torch_dtype)
-        blocks = num_blocks_for(kv_cache_memory, bpt, block_size)
+        blocks = num_blocks_for(kv_memory, bpt, block_size)
         options.append(
             KVOption(
                 kv_cache_dtype=kvd,
@@ -125,6 +185,17 @@ def plan(
                 max_seqs={c: blocks // -(-c // block_size) for c in contexts},
             )
         )
+    if max(o.num_blocks for o in options) == 0:
+        raise PlanError(
+            f"{format_bytes(kv_memory)} for KV holds not one block of {block_size} tokens "
+            f"({format_bytes(options[0].bytes_per_token * block_size)} at {dtype}) — a bigger budget"
+        )
+    warnings = [
+        f"context {c} is beyond the model's max_position_embeddings {spec.max_position_embeddings}: "
+        "the model was not trained for it (the engine's default max_model_len is its max_position_embeddings)"
+        for c in contexts
+        if c > spec.max_position_embeddings
+    ]
     return Plan(
         model=model,
         model_type=spec.model_type,
@@ -135,8 +206,12 @@ def plan(
         parameters=params,
         dtype=dtype,
         weights_bytes=weights,
-        kv_memory_bytes=int(kv_cache_memory),
+        kv_memory_bytes=int(kv_memory),
         block_size=block_size,
         contexts=contexts,
         options=options,
+        max_position_embeddings=spec.max_position_embeddings,
+        memory_bytes=memory,
+        gpu_memory_utilization=gpu_memory_utilization,
+        warnings=warnings,
     )

@@ -9,11 +9,17 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import format_bytes, parse_size
-from engine.planning import PLAN_KV_DTYPES, plan
+from engine.planning import GPU_MEMORY_UTILIZATION, PLAN_KV_DTYPES, plan
 
 
 def plan_command(
-    model: Annotated[str, typer.Argument(help="Known name, HF directory, config.json or .gguf file.")] = "smollm2-135m",
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="smollm2-135m, llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, an HF directory, "
+            "a config.json or a .gguf file."
+        ),
+    ] = "smollm2-135m",
     dtype: Annotated[str, typer.Option(help="Weights / 16-bit KV dtype: bfloat16 | float16 | float32.")] = "bfloat16",
     kv_cache_memory: Annotated[
         str | None, typer.Option(help="KV budget, e.g. 8GiB (what the engine's --kv-cache-memory takes).")
@@ -21,6 +27,9 @@ def plan_command(
     memory: Annotated[
         str | None, typer.Option(help="Device memory, e.g. 80GiB: the KV gets what the weights leave.")
     ] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="With --memory: the share the engine may use; the rest is headroom (vLLM's).")
+    ] = GPU_MEMORY_UTILIZATION,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     context: Annotated[
         str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
@@ -48,16 +57,21 @@ def plan_command(
         block_size=block_size,
         contexts=contexts,
         kv_dtypes=PLAN_KV_DTYPES,
-    )
+        gpu_memory_utilization=gpu_memory_utilization,
+    )  # PlanError (weights or budget do not fit): one line and exit 1, from kvctl's main
     if as_json:
         body = dataclasses.asdict(p)
         body["gqa_saving"] = p.gqa_saving
         print(json.dumps(body, indent=2))
         return
     out = Console()
-    budget = f"{format_bytes(p.kv_memory_bytes)} for KV" + (
-        f" ({format_bytes(parse_size(memory))} − {format_bytes(p.weights_bytes)} weights)" if memory else ""
-    )
+    budget = f"{format_bytes(p.kv_memory_bytes)} for KV"
+    if p.memory_bytes is not None:
+        left = p.usable_bytes - p.weights_bytes
+        budget += (
+            f" (of {format_bytes(left)} left: {format_bytes(p.memory_bytes)} × {p.gpu_memory_utilization:g} − "
+            f"{format_bytes(p.weights_bytes)} weights)"
+        )
     out.print(
         f"[bold]{p.model}[/bold] ({p.model_type}): {p.layers} layers, {p.heads} query heads, "
         f"{p.kv_heads} KV heads × {p.head_dim}, {p.parameters / 1e6:.1f} M parameters, "
@@ -87,6 +101,8 @@ def plan_command(
             *(f"{o.max_seqs[c]:,}" for c in p.contexts),
         )
     out.print(table)
+    for w in p.warnings:
+        out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     out.print(
         f"GQA: {p.heads} query heads share {p.kv_heads} KV heads, so the KV is {p.gqa_saving:.1f}× smaller "
         f"than the same model with full multi-head KV.",

@@ -35,7 +35,8 @@ def test_plan_gqa_saving_and_cli_json(tiny_dir):
     assert body["gqa_saving"] == 2.0  # 4 query heads over 2 KV heads
     auto = body["options"][0]
     assert auto["mha_bytes_per_token"] == 2 * auto["bytes_per_token"]
-    assert body["kv_memory_bytes"] == 1024**3 - body["weights_bytes"]
+    # vLLM's --gpu-memory-utilization 0.9: the engine may take 90 % of the memory, weights first
+    assert body["kv_memory_bytes"] == int(1024**3 * 0.9) - body["weights_bytes"]
     assert set(auto["max_seqs"]) == {"512", "2048"}
 
 
@@ -47,3 +48,42 @@ def test_plan_table_and_errors(tiny_dir):
     bad = subprocess.run([sys.executable, "-m", "kvtop.cli", "plan", "no-such-model"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode != 0 and "unknown model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtop.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_plan_refuses_weights_that_do_not_fit_in_one_line():
+    # Llama-3-8B in bf16 is 15 GiB of weights: 8 GiB (7.2 GiB usable) leaves nothing for KV
+    proc = _plan("llama3-8b", "--memory", "8GiB")
+    assert proc.returncode == 1
+    assert proc.stdout == ""  # no table of zeros
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "the weights (15.0 GiB) do not fit in 7.2 GiB usable (8.0 GiB × 0.9)" in lines[0]
+
+
+def test_plan_memory_and_kv_budget_agree_or_are_refused():
+    ok = _plan("llama3-8b", "--memory", "80GiB", "--kv-cache-memory", "8GiB", "--json")
+    assert ok.returncode == 0, ok.stderr
+    body = json.loads(ok.stdout)
+    assert body["kv_memory_bytes"] == 8 * 1024**3  # the KV budget asked for, not what the memory leaves
+    assert body["memory_bytes"] == 80 * 1024**3 and body["gpu_memory_utilization"] == 0.9
+    table = _plan("llama3-8b", "--memory", "80GiB", "--kv-cache-memory", "8GiB")
+    assert "8.0 GiB for KV (of 57.0 GiB left: 80.0 GiB × 0.9 − 15.0 GiB weights)" in " ".join(table.stdout.split())
+    too_much = _plan("llama3-8b", "--memory", "80GiB", "--kv-cache-memory", "70GiB")
+    assert too_much.returncode == 1 and len(too_much.stderr.strip().splitlines()) == 1
+    assert "at most 57.0 GiB is left for KV" in too_much.stderr
+
+
+def test_plan_flags_a_context_beyond_the_models_positions_and_takes_utilization():
+    proc = _plan("llama3-8b", "--memory", "80GiB", "--context", "8192,32768")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "context 32768 is beyond the model's max_position_embeddings 8192" in text
+    assert "context 8192 is beyond" not in text
+    body = json.loads(_plan("llama3-8b", "--memory", "80GiB", "--gpu-memory-utilization", "0.5", "--json").stdout)
+    assert body["kv_memory_bytes"] == 40 * 1024**3 - body["weights_bytes"]
+    assert body["options"][0]["bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # layers × K,V × kv heads × dim × bf16
