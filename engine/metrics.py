@@ -87,7 +87,9 @@ class Metrics:
         self.peak_kv_usage = 0.0
 
     def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> None:
-        self.events.append({"ts": time.time(), "kind": kind, "seq_id": seq_id, "detail": detail})
+        # every frame and snapshot carries the ring: text that cannot be UTF-8 (a lone surrogate
+        # from a client) would make each of them fail to encode until it aged out
+        self.events.append({"ts": time.time(), "kind": kind, "seq_id": _utf8(seq_id), "detail": _utf8(detail)})
 
     def record_step(self, now: float) -> None:
         c = self.counters
@@ -113,3 +115,15 @@ class Metrics:
             "generation_tokens_per_s": (latest[2] - first[2]) / dt,
             "requests_per_s": (latest[3] - first[3]) / dt,
         }
+
+
+def _utf8(text: str | None) -> str | None:
+    """`text` as valid UTF-8 text: a lone surrogate becomes its escape (`\\udcff`)."""
+    if text is None:
+        return None
+    text = str(text)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -401,13 +401,35 @@ def snapshot(
         Path | None, typer.Option("--output", "-o", help="Write here (default: the server's snapshot dir).")
     ] = None,
     reason: Annotated[str, typer.Option(help="Why: recorded in the snapshot.")] = "manual",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing file (a regular file only).")] = False,
     socket: SocketOption = None,
 ) -> None:
-    """Write a snapshot: the flight recorder's frames, events, sequences and block table."""
-    path = str(output.expanduser().resolve()) if output else None
+    """Write a snapshot: the flight recorder's frames, events, sequences and block table.
+    An existing file is never replaced without --force; missing directories are not created."""
+    path = _snapshot_path(output) if output else None
+    if not _is_text(reason):
+        raise CLIError("--reason is not valid UTF-8 text")
     with _client(socket) as c:
-        r = c.snapshot(path, reason)
+        r = c.snapshot(path, reason, force=force)
     out.print(r["path"], highlight=False, soft_wrap=True)
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach Python as lone surrogates
+        return False
+    return "\x00" not in value
+
+
+def _snapshot_path(output: Path) -> str:
+    """The path the server is asked to write: absolute (the server has its own cwd), its last
+    part not resolved, so a symlink there is refused by the server rather than followed here."""
+    text = str(output.expanduser().absolute())
+    if not _is_text(text):
+        shown = text.encode("utf-8", "backslashreplace").decode()
+        raise CLIError(f"the snapshot path {shown} is not valid UTF-8: the engine takes text paths, rename it")
+    return text
 
 
 @app.command()

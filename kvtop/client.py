@@ -87,8 +87,11 @@ class EngineClient:
     def evict(self, **body) -> dict:
         return self._request("POST", "/v1/evict", json=body)
 
-    def snapshot(self, path: str | None = None, reason: str = "manual") -> dict:
-        return self._request("POST", "/v1/snapshot", json={"path": path, "reason": reason})
+    def snapshot(self, path: str | None = None, reason: str = "manual", force: bool = False) -> dict:
+        """Ask for a snapshot at `path` (the server's snapshot dir when None). An existing file
+        is refused (409) unless `force`, and even then only a regular file is replaced."""
+        body = {"path": path, "reason": reason, **({"force": True} if force else {})}
+        return self._request("POST", "/v1/snapshot", json=body)
 
     def stream(self, interval: float = 0.5) -> Iterator[dict]:
         """Frames as the engine pushes them (one JSON object per line)."""

@@ -1,5 +1,9 @@
 """The control routes on the Unix socket (DESIGN §5): stats, the frame stream, history, drain,
-resume, evict, snapshot, healthz. The socket's file mode is the access control (0600)."""
+resume, evict, snapshot, healthz. The socket's file mode is the access control (0600).
+
+Bodies are small and read through engine.server.bodies (size, time, depth and surrogate limits),
+so nothing a client sends ends in a 5xx. A snapshot path is checked before anything is logged or
+written: a bad one is a 400 (409 for a file that exists without `force`) and leaves no trace."""
 
 from __future__ import annotations
 
@@ -16,9 +20,25 @@ from starlette.concurrency import run_in_threadpool
 from engine.server.api import install_error_handlers, read_request
 from engine.server.loop import EngineLoop
 from engine.server.protocol import APIError, DrainRequest, EvictRequest, SnapshotRequest
-from engine.snapshot import SnapshotError
+from engine.snapshot import SnapshotError, SnapshotExists, check_target
 
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
+MAX_CONTROL_BODY = 64 * 1024  # the largest real body is a snapshot path and a reason
+READ_TIMEOUT = 10.0
+
+
+class SnapshotBody(SnapshotRequest):
+    force: bool = False  # replace an existing regular file at `path`
+
+
+async def read_control(request: Request, model: type):
+    return await read_request(request, model, MAX_CONTROL_BODY, READ_TIMEOUT)
+
+
+def snapshot_refused(exc: SnapshotError) -> APIError:
+    if isinstance(exc, SnapshotExists):
+        return APIError(409, f"cannot write a snapshot: {exc}", param="path", code="file_exists")
+    return APIError(400, f"cannot write a snapshot: {exc}", param="path", code="invalid_path")
 
 
 def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
@@ -74,7 +94,7 @@ def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
 
     @app.post("/v1/drain")
     async def drain(request: Request):
-        req = await read_request(request, DrainRequest)
+        req = await read_control(request, DrainRequest)
         return loop.drain(req.timeout_s, req.abort_after)
 
     @app.post("/v1/resume")
@@ -83,7 +103,7 @@ def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
 
     @app.post("/v1/evict")
     async def evict(request: Request):
-        req = await read_request(request, EvictRequest)
+        req = await read_control(request, EvictRequest)
         chosen = [x for x in (req.seq_id is not None, req.prefix_cache, req.blocks is not None) if x]
         if len(chosen) != 1:
             raise APIError(400, "give exactly one of seq_id, prefix_cache: true, or blocks: N")
@@ -96,12 +116,16 @@ def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
 
     @app.post("/v1/snapshot")
     async def snapshot(request: Request):
-        req = await read_request(request, SnapshotRequest)
+        req = await read_control(request, SnapshotBody)
         try:
-            path = await run_in_threadpool(loop.snapshot, req.path, req.reason)
-        except (OSError, SnapshotError) as exc:
+            if req.path is not None:
+                check_target(req.path, force=req.force)  # before the event is logged: a bad path leaves no trace
+            path = await run_in_threadpool(loop.snapshot, req.path, req.reason, None, req.force)
+        except SnapshotError as exc:
+            raise snapshot_refused(exc) from None
+        except OSError as exc:
             where = req.path or str(loop.config.snapshot_dir)
-            raise APIError(400, f"cannot write a snapshot to {where}: {exc}", param="path") from None
+            raise APIError(400, f"cannot write a snapshot to {where}: {exc.strerror or exc}", param="path") from None
         return {"path": str(Path(path))}
 
     return app

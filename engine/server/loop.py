@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.config import ServerConfig
 from engine.server.triggers import SnapshotTriggers
-from engine.snapshot import FlightRecorder, write_snapshot
+from engine.snapshot import FlightRecorder, check_target, write_snapshot
 
 Sink = Callable[[RequestOutput], None]
 RECENT_SNAPSHOTS = 10
@@ -156,10 +156,14 @@ class EngineLoop:
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in reason)[:40]
         return self.config.snapshot_dir / f"kvtop-{stamp}-{safe}.kvsnap"
 
-    def snapshot(self, path: str | Path | None = None, reason: str = "manual", name: str | None = None) -> Path:
+    def snapshot(
+        self, path: str | Path | None = None, reason: str = "manual", name: str | None = None, force: bool = False
+    ) -> Path:
         """Write the flight recorder, events, sequences and block table to a `.kvsnap` file
-        (`path`, or a file named after `name` or the reason in the snapshot dir)."""
-        target = Path(path).expanduser() if path else self.default_snapshot_path(name or reason)
+        (`path`, or a fresh file named after `name` or the reason in the snapshot dir). A bad
+        `path` raises SnapshotError before anything is logged or written."""
+        target = check_target(path, force=force) if path else self.default_snapshot_path(name or reason)
+        fresh = not path or target.is_dir()  # a name of our own: never collides, never replaces
         if target.is_dir():
             target = target / self.default_snapshot_path(name or reason).name
         with self._snapshot_lock:
@@ -173,6 +177,8 @@ class EngineLoop:
                 reason=reason,
                 frames=frames,
                 events=list(self.engine.metrics.events),
+                force=force,
+                fresh=fresh,
             )
             self.snapshots.append({"ts": time.time(), "path": str(written), "reason": reason})
             self.snapshot_counts[reason.split(":")[0]] += 1

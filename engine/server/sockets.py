@@ -49,12 +49,26 @@ def _prepare_dir(directory: Path) -> None:
         raise ServeError(f"{directory} is not a directory: pass --socket with a path in a directory")
 
 
+def check_socket_path(path: Path) -> None:
+    """Fail if `path` can never be bound: longer than sun_path holds."""
+    size = len(os.fsencode(str(path)))
+    if size > UDS_PATH_MAX:
+        raise ServeError(
+            f"socket path {path} is {size} bytes, longer than the {UDS_PATH_MAX} a Unix socket allows: "
+            "pass a shorter --socket"
+        )
+
+
 def check_socket(path: Path) -> None:
-    """Fail if another engine answers at `path`; remove a stale socket file."""
+    """Fail if `path` cannot be a socket or another engine answers there; remove a stale socket
+    file. Called before the model loads, so a bad --socket fails in a moment, not after it."""
+    check_socket_path(path)
     try:
         st = path.lstat()
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise ServeError(f"cannot use the socket path {path}: {exc.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise ServeError(f"{path} exists and is not a socket: remove it or pass another --socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -76,8 +90,7 @@ def check_socket(path: Path) -> None:
 
 def bind_unix(path: Path) -> socket.socket:
     """A listening Unix socket at `path`, mode 0600, in a 0700 directory."""
-    if len(os.fsencode(str(path))) > UDS_PATH_MAX:
-        raise ServeError(f"socket path {path} is longer than {UDS_PATH_MAX} bytes: pass a shorter --socket")
+    check_socket_path(path)
     _prepare_dir(path.parent)
     check_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
