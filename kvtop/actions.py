@@ -1,7 +1,13 @@
-"""The operator's actions on a live engine: drain, resume, evict a sequence, evict the prefix
-cache, snapshot. Each opens a dialog that says exactly what will happen, with the numbers of the
-moment; if confirmed, the request goes through `EngineClient` in a worker thread and a
-notification says how it went. A mixin of `KvtopApp` (it needs `source`, `state`, `push_screen`).
+"""The dashboard's actions, as mixins of `KvtopApp` (they need `source`, `state`, `base`,
+`push_screen`).
+
+`OperatorActions`, on a live engine: drain, resume, evict a sequence, evict the prefix cache,
+snapshot. Each opens a dialog that says exactly what will happen, with the numbers of the moment;
+destructive ones start on Cancel and need `y`. If confirmed, the request goes through
+`EngineClient` in a worker thread and a notification says how it went.
+
+`SequenceActions`, on the sequences table: filter, j/k, details, sort. Notifications never read
+sequence ids or engine errors as markup.
 """
 
 from __future__ import annotations
@@ -11,14 +17,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from textual import work
+from textual.screen import Screen
 
-from kvtop.messages import ActionFinished
+from kvtop.messages import ActionFinished, FilterChanged, SequenceOpened, SortChosen
 from kvtop.sources import FrameSource, LiveSource
 from kvtop.widgets import fmt
 from kvtop.widgets.confirm import ConfirmScreen
+from kvtop.widgets.dashboard import Dashboard
 from kvtop.widgets.drain_dialog import DrainRequest, DrainScreen
+from kvtop.widgets.sequence_detail import SequenceScreen
+from kvtop.widgets.sequences import COLUMNS, SequencesPanel
 from kvtop.widgets.snapshot_dialog import SnapshotScreen
-from kvtop.widgets.view import ViewState
+from kvtop.widgets.sort_picker import SortScreen
+from kvtop.widgets.view import View, ViewState
 
 
 class OperatorActions:
@@ -47,7 +58,7 @@ class OperatorActions:
         seq_id = self.state.selected_seq
         seq = next((s for s in (self.source.current or {}).get("sequences", []) if s.get("id") == seq_id), None)
         if seq is None:
-            self.notify("no sequence selected: pick one in the sequences table first", severity="warning")
+            self.notify("no sequence selected: pick one in the sequences table first", severity="warning", markup=False)
             return
         self._confirm(
             f"Evict sequence {seq_id}?",
@@ -96,6 +107,63 @@ class OperatorActions:
 
     def on_action_finished(self, message: ActionFinished) -> None:
         if message.ok:
-            self.notify(message.detail, title=message.action, timeout=6)
+            self.notify(message.detail, title=message.action, timeout=6, markup=False)
         else:
-            self.notify(message.detail, title=f"{message.action} failed", severity="error", timeout=10)
+            self.notify(message.detail, title=f"{message.action} failed", severity="error", timeout=10, markup=False)
+
+
+class SequenceActions:
+    state: ViewState
+    base: Screen
+
+    def _sequences(self) -> SequencesPanel | None:
+        panels = self.base.query(SequencesPanel)
+        return panels.first() if panels else None  # none in a too-small terminal
+
+    def action_filter(self) -> None:
+        """`/` (a priority key): the filter box has the keyboard before the next key is read."""
+        if self._sequences() is None:
+            return
+        self.base.query_one(Dashboard).show_tab(2)
+        self._sequences().open_filter()
+
+    def action_cursor(self, step: int) -> None:
+        if panel := self._sequences():
+            panel.move_cursor(step)
+
+    def action_open_sequence(self) -> None:
+        panel = self._sequences()
+        seq_id = panel.table.cursor_id() if panel else None
+        if seq_id is not None:
+            self.on_sequence_opened(SequenceOpened(seq_id))
+
+    def on_sequence_opened(self, message: SequenceOpened) -> None:
+        view: View | None = self.view()
+        if view is None or not any(s.get("id") == message.seq_id for s in view.frame.get("sequences", [])):
+            return
+        self.push_screen(SequenceScreen(message.seq_id, view))
+
+    def action_sort_pick(self) -> None:
+        def done(column: str | None) -> None:
+            if column is not None:
+                self.on_sort_chosen(SortChosen(column))
+
+        self.push_screen(SortScreen(self.state.sort, self.state.sort_reverse), done)
+
+    def action_sort_reverse(self) -> None:
+        self.state.sort_reverse = not self.state.sort_reverse
+        self._redraw_one(SequencesPanel)
+
+    def on_sort_chosen(self, message: SortChosen) -> None:
+        """A column picked with `o` or a header clicked: sort by it; the same column again reverses."""
+        if message.column == self.state.sort:
+            self.action_sort_reverse()
+            return
+        self.state.sort = message.column
+        self.state.sort_reverse = message.column not in ("id", "state")
+        self._redraw_one(SequencesPanel)
+        self.notify(f"sequences sorted by {COLUMNS[message.column][0]}", timeout=1.5, markup=False)
+
+    def on_filter_changed(self, message: FilterChanged) -> None:
+        self.state.filter = message.text
+        self._redraw_one(SequencesPanel)

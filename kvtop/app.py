@@ -26,17 +26,9 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input
 
-from kvtop.actions import OperatorActions
+from kvtop.actions import OperatorActions, SequenceActions
 from kvtop.keys import LIVE_ACTIONS, LIVE_KEYS, REPLAY_ACTIONS, REPLAY_KEYS, VIEW_KEYS
-from kvtop.messages import (
-    FilterChanged,
-    FrameArrived,
-    LayoutRebuilt,
-    PollIdle,
-    SequenceSelected,
-    SortChosen,
-    SourceLost,
-)
+from kvtop.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
 from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
 from kvtop.widgets import fmt
 from kvtop.widgets.block_map import BlockMap
@@ -44,12 +36,13 @@ from kvtop.widgets.dashboard import Dashboard
 from kvtop.widgets.header import EngineHeader
 from kvtop.widgets.help import HelpScreen
 from kvtop.widgets.jump_dialog import JumpScreen
-from kvtop.widgets.sequences import COLUMNS, SequencesPanel, SequencesTable
+from kvtop.widgets.sequence_detail import SequenceScreen
+from kvtop.widgets.sequences import SequencesTable
 from kvtop.widgets.timeline import Timeline
-from kvtop.widgets.view import SORT_COLUMNS, View, ViewState
+from kvtop.widgets.view import View, ViewState
 
 
-class KvtopApp(OperatorActions, App[int]):
+class KvtopApp(OperatorActions, SequenceActions, App[int]):
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"
     ENABLE_COMMAND_PALETTE = False  # every command is a key; the footer needs the room
@@ -204,6 +197,8 @@ class KvtopApp(OperatorActions, App[int]):
             return
         for panel in self.base.query(".panel"):
             panel.show(view)  # type: ignore[attr-defined]
+        if isinstance(self.screen, SequenceScreen):
+            self.screen.show(view)
 
     def _redraw_one(self, kind: type) -> None:
         view = self.view()
@@ -212,16 +207,21 @@ class KvtopApp(OperatorActions, App[int]):
                 w.show(view)
 
     # ---- keys: which exist in this mode ----------------------------------------------------
+    @property
+    def typing(self) -> bool:
+        """A dialog or a text box (the filter) has the keyboard: its keys are not the app's."""
+        return isinstance(self.screen, ModalScreen) or isinstance(self.focused, Input)
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in LIVE_ACTIONS:
-            return self.can_act
-        if action in REPLAY_ACTIONS:
-            if self.replay is None:
-                return False
-            # priority keys (←/→) must not steal typing from a dialog or the filter box
-            if isinstance(self.screen, ModalScreen) or isinstance(self.focused, Input):
-                return False
-        return True
+        if action == "quit":
+            return True
+        if action in LIVE_ACTIONS and not self.can_act:
+            return False
+        if action in REPLAY_ACTIONS and self.replay is None:
+            return False
+        # no app key fires while typing: `/5d0⏎` is filter text, and a priority key (`/`, ←/→)
+        # must not steal a dialog's or the filter box's keys
+        return not self.typing
 
     def action_help(self) -> None:
         view_keys = [b for b in VIEW_KEYS if not b.action.startswith("tab(")]
@@ -245,24 +245,6 @@ class KvtopApp(OperatorActions, App[int]):
             self.paused = not self.paused
             self.base.query_one(EngineHeader).show(self.view(), self.status())
 
-    def action_filter(self) -> None:
-        self.base.query_one(Dashboard).show_tab(2)
-        self.base.query_one(SequencesPanel).open_filter()
-
-    def action_sort_next(self) -> None:
-        i = SORT_COLUMNS.index(self.state.sort)
-        self._sort(SORT_COLUMNS[(i + 1) % len(SORT_COLUMNS)])
-
-    def action_sort_reverse(self) -> None:
-        self.state.sort_reverse = not self.state.sort_reverse
-        self._redraw_one(SequencesPanel)
-
-    def _sort(self, column: str) -> None:
-        self.state.sort = column
-        self.state.sort_reverse = column not in ("id", "state")
-        self._redraw_one(SequencesPanel)
-        self.notify(f"sequences sorted by {COLUMNS[column][0]}", timeout=1.5)
-
     def action_zoom(self, direction: int) -> None:
         self.base.query_one(BlockMap).zoom(direction)
 
@@ -282,18 +264,6 @@ class KvtopApp(OperatorActions, App[int]):
         if message.seq_id != self.state.selected_seq:
             self.state.selected_seq = message.seq_id
             self._redraw_one(BlockMap)
-
-    @on(SortChosen)
-    def _sort_chosen(self, message: SortChosen) -> None:
-        if message.column == self.state.sort:
-            self.action_sort_reverse()
-        else:
-            self._sort(message.column)
-
-    @on(FilterChanged)
-    def _filtered(self, message: FilterChanged) -> None:
-        self.state.filter = message.text
-        self._redraw_one(SequencesPanel)
 
     # ---- replay ----------------------------------------------------------------------------
     def _moved(self, move: Callable[[ReplaySource], object]) -> None:

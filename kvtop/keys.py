@@ -3,6 +3,10 @@
 View keys work everywhere; the live actions exist only against an engine and without
 `--readonly`; the replay keys only in replay (← and → are priority keys there, so that the
 sequences table does not take them, and give way to any dialog or text box).
+
+While a dialog or the filter box has the keyboard, no app key fires but the quit keys
+(`KvtopApp.check_action`): keys typed after `/` are filter text, never actions. `/` is a
+priority key so that the filter box takes the keyboard before the keys typed after it are read.
 """
 
 from __future__ import annotations
@@ -11,10 +15,16 @@ from textual.binding import Binding
 
 VIEW_KEYS = [
     Binding("q", "quit", "Quit"),
+    Binding("ctrl+c,f10", "quit", "Quit", show=False, priority=True, tooltip="quit (also in dialogs and the filter)"),
     Binding("question_mark", "help", "Help"),
     Binding("space", "pause", "Pause", tooltip="live: pause/resume the view · replay: play/pause"),
-    Binding("slash", "filter", "Filter", tooltip="filter sequences by id or state (esc clears)"),
-    Binding("o", "sort_next", "Sort", tooltip="sort sequences by the next column"),
+    Binding(
+        "slash", "filter", "Filter", priority=True, tooltip="filter sequences by id or state (enter keeps, esc clears)"
+    ),
+    Binding("j", "cursor(1)", "Down", show=False, tooltip="sequences: cursor down (↓ too)"),
+    Binding("k", "cursor(-1)", "Up", show=False, tooltip="sequences: cursor up (↑ too)"),
+    Binding("enter", "open_sequence", "Details", tooltip="the sequence under the cursor: id, tokens, blocks, events"),
+    Binding("o", "sort_pick", "Sort", tooltip="sort sequences: pick a column (the same one again reverses)"),
     Binding("O", "sort_reverse", "Reverse", show=False, tooltip="reverse the sort order"),
     Binding("z", "zoom(1)", "Zoom in", show=False, tooltip="block map: fewer blocks per cell"),
     Binding("Z", "zoom(-1)", "Zoom out", show=False, tooltip="block map: more blocks per cell (back to fit)"),
@@ -26,11 +36,11 @@ VIEW_KEYS = [
     ),
 ]
 LIVE_KEYS = [
-    Binding("d", "drain", "Drain", tooltip="drain: stop admitting, let requests finish (confirm, timeout)"),
-    Binding("r", "resume", "Resume", tooltip="resume admitting requests (confirm)"),
-    Binding("e", "evict_sequence", "Evict seq", tooltip="evict the selected sequence (confirm)"),
-    Binding("E", "evict_prefix", "Evict cache", show=False, tooltip="evict the free prefix cache (confirm)"),
-    Binding("s", "snapshot", "Snapshot", tooltip="write a .kvsnap snapshot (confirm, shows the path)"),
+    Binding("d", "drain", "Drain", tooltip="drain: stop admitting, let requests finish (y confirms)"),
+    Binding("r", "resume", "Resume", tooltip="resume admitting requests (y confirms)"),
+    Binding("e", "evict_sequence", "Evict seq", tooltip="evict the selected sequence (y confirms)"),
+    Binding("E", "evict_prefix", "Evict cache", show=False, tooltip="evict the free prefix cache (y confirms)"),
+    Binding("s", "snapshot", "Snapshot", tooltip="write a .kvsnap snapshot (shows the path; enter writes)"),
 ]
 REPLAY_KEYS = [
     Binding("left", "step(-1)", "-1 frame", priority=True, tooltip="one frame back"),
@@ -39,7 +49,7 @@ REPLAY_KEYS = [
     Binding("right_square_bracket", "skip(10)", "+10s", tooltip="10 seconds on"),
     Binding("g", "start", "Start", show=False, tooltip="the first frame"),
     Binding("G", "end", "End", show=False, tooltip="the last frame (the snapshot's moment)"),
-    Binding("j", "jump", "Jump", tooltip="jump to a time"),
+    Binding("t", "jump", "Jump", tooltip="jump to a time"),
     Binding("plus", "speed(1)", "Faster", show=False, tooltip="play faster (×0.25 … ×16)"),
     Binding("minus", "speed(-1)", "Slower", show=False, tooltip="play slower"),
 ]

@@ -45,6 +45,13 @@ class SequenceSelected(Message):
 
 
 @dataclass
+class SequenceOpened(Message):
+    """Enter on a row of the sequences table: show that sequence's details."""
+
+    seq_id: str
+
+
+@dataclass
 class SortChosen(Message):
     """A column header was clicked: sort by it (again: reverse)."""
 

@@ -201,8 +201,9 @@ async def test_sort_by_column_and_filter(server: Engine):
             return [r.value for r in table.rows]
 
         assert "sort age ↓" in str(panel.border_title)
-        while app.state.sort != "output":
-            await pilot.press("o")
+        await pilot.press("o")  # the sort picker, on the current column (age): output is four rows up
+        await pilot.press("k", "k", "k", "k", "enter")
+        assert app.state.sort == "output"
         expected = sorted(frame["sequences"], key=lambda s: s["output_tokens"], reverse=True)
         assert [s["output_tokens"] for s in expected] == [
             next(s["output_tokens"] for s in frame["sequences"] if s["id"] == i) for i in order()
@@ -297,7 +298,7 @@ async def test_drain_then_resume(server: Engine):
         await pilot.press("d")
         assert isinstance(app.screen, DrainScreen)
         assert "stops admitting" in text(app.screen.query_one(".dialog-body"))
-        await pilot.press("enter")  # the default timeout, nothing aborted
+        await pilot.press("y")  # kvctl drain's defaults: no timeout, nothing aborted
 
         def state() -> str:
             return app.source.current["engine"]["state"]

@@ -77,7 +77,7 @@ async def test_replay_steps_jumps_and_plays(path: Path):
         await pilot.press("left_square_bracket")
         assert source.index == 0
 
-        await pilot.press("j")
+        await pilot.press("t")  # jump to a time (j moves the sequences cursor)
         await pilot.press(*"50%", "enter")
         assert source.index == last_at_or_before(snap.frames, length / 2)
         assert f"frame {source.index + 1}/{n}" in text(app.query_one(Timeline))

@@ -15,6 +15,7 @@ from itertools import groupby
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
+from textual.content import Content
 from textual.widgets import Static
 
 from kvtop.widgets import fmt
@@ -107,7 +108,7 @@ class BlockMap(VerticalScroll):
         scale = "1 block per cell" if self.per_cell == 1 else f"1 cell = {self.per_cell} blocks"
         self.border_title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
         sel = f"{view.state.selected_seq}: {len(highlight)} blocks" if highlight else ""
-        self.border_subtitle = sel
+        self.border_subtitle = Content(sel)  # the id is a client's or a file's: never markup
         self.query_one("#block-grid", Static).update(fmt.lines(out))
 
     def zoom(self, direction: int) -> None:

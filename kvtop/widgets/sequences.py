@@ -2,7 +2,8 @@
 
 The table is rebuilt from each frame in the chosen order; the cursor follows the selected
 sequence by id, so a row keeps its highlight as others come and go. Moving the cursor selects
-(the block map then highlights that sequence's blocks; `e` evicts it).
+(the block map then highlights that sequence's blocks; `e` evicts it); enter opens its details.
+Ids and filter text come from clients and files: they are drawn as plain text, never as markup.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import DataTable, Input
 
-from kvtop.messages import FilterChanged, SequenceSelected, SortChosen
+from kvtop.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
 from kvtop.widgets import fmt
 from kvtop.widgets.view import SORT_COLUMNS, View
 
@@ -59,7 +61,19 @@ def visible(sequences: list[dict], text: str, column: str, reverse: bool) -> lis
 
 
 class SequencesTable(DataTable):
-    """The table itself; row keys are sequence ids."""
+    """The table itself; row keys are sequence ids. Enter opens the row's details (a click only selects)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "select_cursor", "Details")]
+
+    def action_select_cursor(self) -> None:
+        seq_id = self.cursor_id()
+        if seq_id is not None:
+            self.post_message(SequenceOpened(seq_id))
+
+    def cursor_id(self) -> str | None:
+        if not self.row_count:
+            return None
+        return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
 
 
 class SequencesPanel(Vertical):
@@ -104,8 +118,8 @@ class SequencesPanel(Vertical):
                     text = "-" if v is None else short_id(v, id_width) if key == "id" else formatter(v)
                     if key == "state":
                         cells.append(Text(text, STATE_STYLES.get(text, "")))
-                    elif key in ("id",):
-                        cells.append(text)
+                    elif key == "id":
+                        cells.append(Text(text))  # a str cell would be read as markup
                     else:
                         cells.append(Text(text, justify="right"))
                 table.add_row(*cells, key=s["id"])
@@ -120,7 +134,7 @@ class SequencesPanel(Vertical):
         arrow = "↓" if st.sort_reverse else "↑"
         shown = f"{len(rows)}" if len(rows) == len(all_seqs) else f"{len(rows)} of {len(all_seqs)}"
         self.border_title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
-        self.border_subtitle = f"filter: {st.filter}" if st.filter else ""
+        self.border_subtitle = Content(f"filter: {st.filter}") if st.filter else ""
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
@@ -133,13 +147,21 @@ class SequencesPanel(Vertical):
         event.stop()
         self.post_message(SortChosen(str(event.column_key.value)))
 
+    def move_cursor(self, step: int) -> None:
+        table = self.table
+        if table.row_count:
+            table.move_cursor(row=min(max(table.cursor_row + step, 0), table.row_count - 1))
+
     # ---- filter ---------------------------------------------------------------------------
     def open_filter(self) -> None:
+        """Show the filter box and give it the keyboard now, not after a refresh as `focus()`
+        does: keys already typed after `/` (a paste, tmux send-keys) must land in it."""
         box = self.query_one("#seq-filter", Input)
         box.display = True
         if self.view is not None:
             box.value = self.view.state.filter
-        box.focus()
+            box.cursor_position = len(box.value)
+        self.screen.set_focus(box)
 
     @on(Input.Changed, "#seq-filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -151,11 +173,11 @@ class SequencesPanel(Vertical):
         event.stop()
         box = self.query_one("#seq-filter", Input)
         box.display = bool(box.value)
-        self.table.focus()
+        self.screen.set_focus(self.table)  # at once: keys typed after enter are keys again
 
     def action_clear_filter(self) -> None:
         box = self.query_one("#seq-filter", Input)
         box.value = ""
         box.display = False
         self.post_message(FilterChanged(""))
-        self.table.focus()
+        self.screen.set_focus(self.table)

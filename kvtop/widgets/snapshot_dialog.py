@@ -13,6 +13,9 @@ from kvtop.widgets.form_dialog import FormScreen
 
 
 class SnapshotScreen(FormScreen[str | None]):
+    """Not destructive: the path field has the focus and enter writes the snapshot."""
+
+    AUTO_FOCUS = "#snapshot-path"
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, path: str) -> None:
@@ -32,9 +35,6 @@ class SnapshotScreen(FormScreen[str | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Snapshot (enter)", variant="primary", id="yes")
                 yield Button("Cancel (esc)", id="no")
-
-    def on_mount(self) -> None:
-        self.query_one("#snapshot-path", Input).focus()
 
     def _submit(self) -> None:
         path = self.query_one("#snapshot-path", Input).value.strip()

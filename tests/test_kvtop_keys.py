@@ -1,0 +1,351 @@
+"""kvtop's keys against a real `kvctl serve` (tiny model) under real load: nothing typed by
+accident reaches the engine (issue #10), the htop/k9s habits (quit keys, j/k, enter for a
+sequence's details, a sort picker), and ids or filter text that look like markup (issue #11).
+
+Type-ahead is sent two ways: `pilot.press`, which waits for each key to be handled, and
+`burst`, which hands the app every key at once as a terminal read of several bytes does (tmux
+send-keys, a paste, a fast typist on a slow link) — the case that drained a live engine."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from textual import events
+from textual.widgets import Button, Checkbox, Input
+
+from engine.snapshot import read_snapshot, write_snapshot
+from kvtop.app import KvtopApp
+from kvtop.sources import ReplaySource
+from kvtop.widgets.block_map import BlockMap
+from kvtop.widgets.confirm import ConfirmScreen
+from kvtop.widgets.drain_dialog import DrainScreen
+from kvtop.widgets.help import HelpScreen, key_label
+from kvtop.widgets.sequence_detail import SequenceScreen, block_ranges
+from kvtop.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.widgets.sort_picker import SortScreen
+from tests.helpers import widget_text as text
+from tests.test_kvtop_live import SIZE, Engine, Load, busy, live_app, until
+
+KEY_CHARS = {"slash": "/", "enter": "\r", "left_square_bracket": "[", "escape": "\x1b"}
+SNAPSHOTS = sorted((Path(__file__).resolve().parent.parent / "snapshots").glob("*.kvsnap"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    """test_kvtop_live's engine under its load: one `kvctl serve` for the module."""
+    engine = Engine(tiny_dir)
+    load = Load(engine, str(tiny_dir)).start()
+    yield engine
+    load.stop_event.set()
+    engine.server.stop(signal.SIGKILL)  # nothing to drain gracefully
+    load.stop()
+    engine.server.cleanup()
+
+
+def burst(app: KvtopApp, *keys: str) -> None:
+    """Every key at once, before the app has handled the first (as one read from a terminal)."""
+    for key in keys:
+        event = events.Key(key, KEY_CHARS.get(key, key if len(key) == 1 else None))
+        event.set_sender(app)
+        app._driver.send_message(event)
+
+
+def engine_state(server: Engine) -> str:
+    with server.client() as c:
+        return c.stats()["engine"]["state"]
+
+
+def order(app: KvtopApp) -> list[str]:
+    return [r.value for r in app.query_one(SequencesTable).rows]
+
+
+# ---- type-ahead: keys typed after `/` are filter text -------------------------------------------
+@pytest.mark.anyio
+async def test_keys_typed_after_slash_go_to_the_filter_never_to_an_action(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await busy(pilot, app)
+        await pilot.press("slash", "x", "d")
+        assert app.state.filter == "xd"
+        assert app.screen is app.base, "a key typed after / opened a dialog"
+        await pilot.press("escape")
+        assert app.state.filter == "" and isinstance(app.focused, SequencesTable)
+
+        burst(app, "slash", "x", "d")  # the tmux send-keys "/xd" of the issue
+        await until(pilot, lambda: len(app.state.filter) == 2 or app.screen is not app.base, "the keys")
+        await pilot.pause(0.2)
+        assert app.state.filter == "xd"
+        assert not isinstance(app.screen, DrainScreen)
+        await pilot.press("escape")
+
+        await pilot.press("slash", "5", "d", "0", "enter")  # enter only closes the filter
+        assert app.state.filter == "5d0" and app.screen is app.base
+        assert isinstance(app.focused, SequencesTable)
+        await pilot.press("slash", "escape")
+
+        burst(app, "slash", "5", "d", "0", "enter")  # the burst that drained a live engine
+        await until(pilot, lambda: isinstance(app.focused, SequencesTable) or app.screen is not app.base, "enter")
+        await pilot.pause(0.5)
+        assert app.state.filter == "5d0" and app.screen is app.base
+        assert engine_state(server) == "running"
+
+
+@pytest.mark.anyio
+async def test_tabs_layout_slash_types_into_the_filter_too(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        burst(app, "slash", "q", "d", "enter")  # q and d are keys, but not after /
+        await until(pilot, lambda: not app.is_running or isinstance(app.focused, SequencesTable), "enter")
+        await pilot.pause(0.5)
+        assert app.is_running and app.screen is app.base
+        assert app.state.filter == "qd"
+        assert "filter: qd" in str(app.query_one(SequencesPanel).border_subtitle)
+        assert engine_state(server) == "running"
+
+
+# ---- destructive dialogs: Cancel has the focus, `y` confirms ------------------------------------
+@pytest.mark.anyio
+async def test_destructive_dialogs_start_on_cancel_and_enter_does_nothing(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await busy(pilot, app)
+        victim = app.state.selected_seq
+        assert victim
+        for key, screen in (("d", DrainScreen), ("e", ConfirmScreen), ("E", ConfirmScreen)):
+            await pilot.press(key)
+            assert isinstance(app.screen, screen), key
+            assert isinstance(app.focused, Button) and app.focused.id == "no", f"{key}: focus on {app.focused}"
+            await pilot.press("enter")  # on Cancel: the dialog closes, nothing happens
+            assert app.screen is app.base, key
+        burst(app, "d", "enter")  # enter typed before the dialog is even drawn
+        burst(app, "e", "enter")
+        await pilot.pause(1.0)
+        assert app.screen is app.base
+        with server.client() as c:
+            frame = c.stats()
+            assert frame["engine"]["state"] == "running"
+            history = c.history()
+        evictions = [e for e in [*history["events"], *frame["events"]] if e["kind"] in ("evicted", "aborted")]
+        assert not [e for e in evictions if e.get("seq_id") == victim or "operator" in (e.get("detail") or "")]
+
+
+@pytest.mark.anyio
+async def test_drain_dialog_has_kvctl_drain_defaults_and_y_drains(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await busy(pilot, app)
+        await pilot.press("d")
+        dialog = app.screen
+        assert isinstance(dialog, DrainScreen)
+        assert dialog.query_one("#drain-timeout", Input).value == ""  # no timeout, as `kvctl drain`
+        assert dialog.query_one("#drain-abort", Checkbox).value is False
+
+        dialog.query_one("#drain-abort", Checkbox).value = True  # abort needs a timeout, as in kvctl
+        await pilot.press("y")
+        assert app.screen is dialog
+        assert "needs a timeout" in text(dialog.query_one("#drain-error"))
+        dialog.query_one("#drain-abort", Checkbox).value = False
+
+        dialog.set_focus(dialog.query_one("#drain-timeout", Input))
+        await pilot.press("1", "2", "0", "enter")  # enter in the field moves on, it does not drain
+        assert app.screen is dialog and engine_state(server) == "running"
+        dialog.query_one("#drain-timeout", Input).value = ""
+        await pilot.press("y")
+        assert app.screen is app.base
+
+        def drain_info() -> dict | None:
+            with server.client() as c:
+                return c.stats()["server"]["drain"]
+
+        await until(pilot, lambda: drain_info() is not None, "the engine to drain")
+        assert drain_info()["timeout_s"] is None and drain_info()["abort_after"] is False
+        assert engine_state(server) in ("draining", "drained")
+        await pilot.press("r")
+        assert isinstance(app.screen, ConfirmScreen) and app.focused.id == "no"
+        await pilot.press("y")
+        await until(pilot, lambda: engine_state(server) == "running", "the engine to resume")
+
+
+@pytest.mark.anyio
+async def test_y_evicts_the_prefix_cache(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await busy(pilot, app)
+        await pilot.press("E", "y", "space")
+
+        def evicted() -> bool:
+            return any(e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.source.events())
+
+        await until(pilot, evicted, "the prefix-cache eviction")
+
+
+# ---- quit keys --------------------------------------------------------------------------------
+@pytest.mark.anyio
+@pytest.mark.parametrize("key", ["q", "ctrl+c", "f10"])
+async def test_quit_keys_end_the_app(server: Engine, key: str):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await pilot.press(key)
+        await pilot.pause(0.2)
+        assert not app.is_running, f"{key} did not quit"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("key", ["ctrl+c", "f10"])
+async def test_ctrl_c_and_f10_quit_from_the_filter_and_dialogs(server: Engine, key: str):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await pilot.press("slash")
+        assert isinstance(app.focused, Input)
+        await pilot.press(key)  # the Input's own ctrl+c (copy) must not win
+        await pilot.pause(0.2)
+        assert not app.is_running
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await pilot.press("d")
+        assert isinstance(app.screen, DrainScreen)
+        await pilot.press(key)
+        await pilot.pause(0.2)
+        assert not app.is_running
+    assert engine_state(server) == "running"
+
+
+# ---- j/k, enter for the details, the sort picker ----------------------------------------------
+@pytest.mark.anyio
+async def test_j_k_move_the_cursor_and_enter_opens_the_details(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        frame = await busy(pilot, app, min_seqs=3)
+        table = app.query_one(SequencesTable)
+        table.move_cursor(row=0)
+        await pilot.press("j")
+        assert table.cursor_row == 1
+        await pilot.press("j", "j", "k")
+        assert table.cursor_row == 2
+        await pilot.pause(0.1)
+        seq_id = order(app)[2]
+        assert app.state.selected_seq == seq_id  # the block map follows the cursor
+
+        await pilot.press("enter")
+        assert isinstance(app.screen, SequenceScreen)
+        seq = next(s for s in frame["sequences"] if s["id"] == seq_id)
+        detail = text(app.screen.query_one("#seq-detail"))
+        assert seq_id in detail and seq_id in str(app.screen.query_one(".dialog").border_title)  # the whole id
+        assert f"blocks ({len(seq['block_ids'])})" in detail
+        assert block_ranges(seq["block_ids"]) in detail
+        assert f"prompt {seq['prompt_tokens']}" in detail and f"cached {seq['cached_tokens']}" in detail
+        assert "admitted" in detail  # its own events, from the events the dashboard holds
+        others = [s["id"] for s in frame["sequences"] if s["id"] != seq_id]
+        assert not any(o in detail for o in others)
+        await pilot.press("escape")
+        assert app.screen is app.base and isinstance(app.focused, SequencesTable)
+
+
+def test_block_ranges_read_as_runs():
+    assert block_ranges([3, 4, 5, 9, 12, 13]) == "3–5, 9, 12–13"
+    assert block_ranges([7]) == "7" and block_ranges([]) == "none"
+
+
+@pytest.mark.anyio
+async def test_sort_picker_chooses_a_column_and_again_reverses(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        frame = await busy(pilot, app, min_seqs=3)
+        by_id = {s["id"]: s for s in frame["sequences"]}
+        await pilot.press("o")
+        assert isinstance(app.screen, SortScreen)
+        await pilot.press("escape")  # cancelled: nothing changes
+        assert app.state.sort == "age" and app.screen is app.base
+
+        await pilot.press("o", "k", "k", "k", "k", "k", "enter")  # age → prompt, five rows up
+        assert app.state.sort == "prompt"
+        prompts = [by_id[i]["prompt_tokens"] for i in order(app)]
+        assert prompts == sorted(prompts, reverse=True)
+        assert "sort prompt ↓" in str(app.query_one(SequencesPanel).border_title)
+
+        await pilot.press("o", "enter")  # the current column again: reversed
+        prompts = [by_id[i]["prompt_tokens"] for i in order(app)]
+        assert prompts == sorted(prompts)
+        assert "sort prompt ↑" in str(app.query_one(SequencesPanel).border_title)
+
+        await pilot.press("o", *"jjjjjj", "enter")  # prompt → ttft, six rows down
+        assert app.state.sort == "ttft"
+
+
+@pytest.mark.anyio
+async def test_help_and_footer_show_the_new_keys(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        footer = {b.binding.key for b in app.active_bindings.values() if b.binding.show}
+        assert {"q", "slash", "enter", "o", "d"} <= footer
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        helped = {key_label(b.key): b.tooltip for _, group in app.screen.groups for b in group}
+        for label in ("q", "ctrl+c f10", "j", "k", "enter", "o", "/"):
+            assert label in helped, label
+        assert "jump" not in " ".join(helped.values())  # live: no replay keys
+        for label in ("d", "e", "E", "r"):
+            assert "y confirms" in helped[label]
+
+
+# ---- markup in filter text and in ids (issue #11) -----------------------------------------------
+@pytest.mark.anyio
+async def test_filter_text_that_looks_like_markup(server: Engine):
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await busy(pilot, app)
+        await pilot.press("slash", "left_square_bracket", "slash", "enter")
+        await pilot.pause(0.3)
+        assert app.is_running and app.state.filter == "[/"
+        assert app.query_one(SequencesTable).row_count == 0
+        await pilot.press("space")  # live again: frames keep drawing with the filter on
+        await pilot.pause(0.6)
+        assert app.is_running
+        assert "filter: [/" in app.query_one(SequencesPanel).border_subtitle.replace("\\[", "[")
+
+
+def markup_snapshot(tmp_path: Path) -> Path:
+    """A recorded incident whose busiest sequence is renamed `[/x]` everywhere."""
+    snap = read_snapshot(SNAPSHOTS[0])
+    last = snap.frames[-1]
+    old = max(last["sequences"], key=lambda s: s["num_blocks"])["id"]
+    swap = lambda s: "[/x]" if s == old else s  # noqa: E731
+    frames = [{**f, "sequences": [{**s, "id": swap(s["id"])} for s in f["sequences"]]} for f in snap.frames]
+    evs = [{**e, "seq_id": swap(e.get("seq_id"))} for e in snap.events]
+    return write_snapshot(
+        tmp_path / "markup.kvsnap", model="tiny", config={}, reason="[bold]test[/", frames=frames, events=evs
+    )
+
+
+@pytest.mark.anyio
+async def test_replayed_sequence_id_with_markup(tmp_path: Path):
+    path = markup_snapshot(tmp_path)
+    app = KvtopApp(ReplaySource(read_snapshot(path)))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("G")
+        await pilot.pause(0.2)
+        assert "[/x]" in order(app)
+        table = app.query_one(SequencesTable)
+        table.move_cursor(row=order(app).index("[/x]"))
+        await pilot.pause(0.2)
+        assert app.state.selected_seq == "[/x]"
+        assert "[/x]" in app.query_one(BlockMap).border_subtitle.replace("\\[", "[")
+        await pilot.press("enter")
+        assert isinstance(app.screen, SequenceScreen)
+        assert "id  [/x]" in text(app.screen.query_one("#seq-detail"))
+        await pilot.press("escape")
+        # the evict dialog names the id (replay has no evict key: the same dialog, pushed as `e` does)
+        app.push_screen(ConfirmScreen("Evict sequence [/x]?", "Sequence [/x] (running) loses its blocks.", "Evict"))
+        await pilot.pause(0.2)
+        assert "Sequence [/x] (running)" in text(app.screen.query_one(".dialog-body"))
+        await pilot.press("n")
+        await pilot.press("slash", "left_square_bracket", "slash", "x", "enter")
+        await pilot.pause(0.2)
+        assert order(app) == ["[/x]"] and app.is_running
