@@ -8,12 +8,29 @@ the engine is killed, and the restart as an event.
 from __future__ import annotations
 
 import copy
+import re
+import signal
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.snapshot import read_snapshot
+from kvtop.app import KvtopApp
 from kvtop.diagnosis import diagnose
+from kvtop.sources import LiveSource
+from kvtop.widgets.dashboard import Dashboard
+from kvtop.widgets.events import EventsPanel
+from kvtop.widgets.header import EngineHeader, engine_line, glance_line
+from kvtop.widgets.latency import bound, histogram
+from kvtop.widgets.prefix_panel import PrefixPanel
+from kvtop.widgets.throughput import ThroughputPanel
+from kvtop.widgets.view import View, ViewState
+from tests.helpers import widget_text as text
+from tests.server_harness import Server, start_server
+from tests.test_kvtop_terminal import Terminal, base_env
 
 ROOT = Path(__file__).resolve().parent.parent
 STORM = ROOT / "snapshots" / "preemption-storm.kvsnap"
@@ -157,3 +174,233 @@ def test_every_finding_says_what_to_do(path: Path):
     for lines in findings(path):
         for line in lines:
             assert ": " in line and " — " in line, line
+
+
+# ---- panels on hand-made frames: no zeros without data, one meaning per number -------------------
+def view(f: dict, history: list[dict] | None = None, **state) -> View:
+    return View(f, history or [f], f.get("events", []), ViewState(**state))
+
+
+def test_no_lookups_show_a_dash_not_a_zero_hit_rate():
+    f = frame(prefix={"query_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "queries": 0, "request_hit_rate": 0.0})
+    text = PrefixPanel().draw(view(f), 50, 8).plain
+    assert "hit rate    – of tokens · – of requests" in text
+    assert "0.0%" not in text
+    assert text.splitlines()[6].rstrip().endswith("–")  # the sparkline's latest hit %: none yet
+    g = later(f, 2, prefix={"query_tokens": 200, "hit_tokens": 100, "hit_rate": 0.5, "queries": 2})
+    g["prefix"]["request_hit_rate"] = 0.5
+    text = PrefixPanel().draw(view(g, [f, g]), 50, 8).plain
+    assert "hit rate    50.0% of tokens · 50.0% of requests" in text
+    assert text.splitlines()[6].rstrip().endswith("50.0%")
+
+
+def test_rates_from_a_single_frame_are_dashes():
+    f = frame()
+    text = ThroughputPanel().draw(view(f), 60, 6).plain
+    assert "preempt/s          –" in text and "rejected/s         –" in text
+    assert "– steps/s" in engine_line(view(f), None).plain
+    g = later(f, 2, engine={"step": f["engine"]["step"] + 20})
+    assert "10.0 steps/s" in engine_line(view(g, [f, g]), None).plain
+
+
+def test_rejections_are_counted_and_rated():
+    f = frame(server={"rejected": {"queue_full": 10, "draining": 3}})
+    g = later(f, 4, server={"rejected": {"queue_full": 22, "draining": 3}})
+    text = ThroughputPanel().draw(view(g, [f, g]), 80, 6).plain
+    assert "rejected/s       3.0" in text
+    assert "25 rejected (429 ×22, 503 ×3)" in text
+    glance = glance_line(view(g, [f, g]), stale=False).plain
+    assert glance.startswith("4 running · 0 waiting · 25 rejected (429 ×22, 503 ×3)")
+    assert "⚠ queue full: 12 requests refused (429) in 4s" in glance
+    no_server = frame()
+    del no_server["server"]  # frames of `kvctl run`: nothing refuses requests there
+    assert "rejected/s         –" in ThroughputPanel().draw(view(no_server), 60, 6).plain
+
+
+def test_unreachable_replaces_the_engine_state():
+    f = frame()
+    lost = f["ts"] + 30
+    line = engine_line(view(f), lost).plain
+    assert "✖ unreachable since" in line
+    assert "● running" not in line and "up " not in line and "steps/s" not in line
+    assert glance_line(view(f), stale=True).plain.startswith("last frame: 4 running")
+
+
+def test_a_burst_of_prefix_evictions_is_one_line_and_pushes_nothing_out():
+    base = frame()
+    t0 = base["ts"] - 400
+    events = [
+        {
+            "ts": t0 + i,
+            "kind": "prefix_evicted",
+            "seq_id": None,
+            "detail": f"{i % 7 + 1} cached prefix blocks reallocated",
+        }
+        for i in range(312)
+    ]
+    events.insert(100, {"ts": t0 + 99.5, "kind": "drain_started", "seq_id": None, "detail": "3 requests in flight"})
+    events.insert(200, {"ts": t0 + 198.5, "kind": "snapshot", "seq_id": None, "detail": "manual: /tmp/a.kvsnap"})
+    events.append({"ts": t0 + 380, "kind": "prefix_evicted", "seq_id": None, "detail": "2 cached prefix blocks"})
+    lines = EventsPanel().draw(View(base, [base], events, ViewState()), 100, 6).plain.splitlines()
+    assert [line.split()[1] for line in lines] == ["drain_started", "snapshot", "prefix_evicted", "prefix_evicted"]
+    blocks = sum(i % 7 + 1 for i in range(312))
+    assert f"×312 in 5m11s: {blocks:,} blocks" in lines[2]
+    assert "blocks/s" in lines[2]
+    assert "×" not in lines[3] and "2 cached prefix blocks" in lines[3]  # a lone one, after a gap, as it is
+    every = EventsPanel().draw(View(base, [base], events, ViewState(verbose_events=True)), 100, 6).plain
+    assert "×" not in every  # `v`: every event on its own line
+
+
+def test_latency_axis_labels_keep_three_figures():
+    assert [bound(v) for v in (0.0025, 0.08, 1.0, 7.5, 80.0, 640.0, 2560.0, 7680.0)] == [
+        "2.5ms", "80ms", "1s", "7.5s", "80s", "10.7m", "42.7m", "2.13h",
+    ]  # fmt: skip
+    buckets = [0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0]
+    counts = [0] * 9 + [3, 5, 2, 1, 0]
+    axis = histogram(counts, buckets, {"p50": 160.0, "p95": 640.0, "p99": 2560.0}, 60, 4)[-1].plain
+    labels = axis.split()[1:]
+    assert "10.7m" in labels and "2.13h" in labels
+    assert all(re.fullmatch(r"\d{1,3}(\.\d{1,2})?(ms|s|m|h)|\+Inf", label) for label in labels), labels
+
+
+# ---- a real terminal under NO_COLOR ----------------------------------------------------------------
+def test_no_color_means_no_colour_escape_at_all():
+    """NO_COLOR: no foreground or background colour of any kind (not even greys); bold, dim and
+    reverse video may stay, and the default colours (39, 49) are not colours."""
+    env = base_env(TERM="xterm-256color", COLORTERM="truecolor", NO_COLOR="1")
+    term = Terminal(["--replay", str(STORM)], env)
+    try:
+        term.read_until("Block map")
+        term.press("G")
+        term.read_until(f"frame {len(read_snapshot(STORM).frames)}/")
+    finally:
+        term.hang_up()
+    params = [p for codes in term.colours for p in codes.split(";")]
+    assert "1" in params or "7" in params  # styles still reach the terminal
+    colour_codes = {"38", "48", *map(str, [*range(30, 38), *range(40, 48), *range(90, 98), *range(100, 108)])}
+    colours = {p for p in params if p in colour_codes}
+    assert not colours, f"colour escapes under NO_COLOR: {sorted(colours)}"
+
+
+# ---- against a real `kvctl serve` ------------------------------------------------------------------
+# two run at a time, one more may wait: the rest of the load is refused with 429
+SERVE_ARGS = ("--kv-cache-memory", "512KiB", "--max-num-seqs", "2", "--max-queue", "1", "--stats-interval", "0.2")
+
+
+class Load:
+    """Six clients sending long completions back to back, more than the server admits."""
+
+    def __init__(self, server: Server, n: int = 6) -> None:
+        self.server, self.stopping = server, threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        while not self.stopping.is_set():
+            try:
+                with self.server.http(timeout=60) as http:
+                    body = {"model": self.server.model, "prompt": f"Client {i}: count to ten.", "max_tokens": 64}
+                    http.post("/v1/completions", json={**body, "ignore_eos": True})
+            except httpx.HTTPError:
+                pass  # the server is down (the restart test): try again
+            self.stopping.wait(0.3)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(70)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    box = {"server": start_server(tiny_dir, *SERVE_ARGS)}
+    load = Load(box["server"])
+    yield box
+    load.stopping.set()
+    box["server"].stop(signal.SIGKILL)
+    load.stop()
+    box["server"].cleanup()
+
+
+async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def lines_of(app: KvtopApp) -> list[str]:
+    return text(app.query_one(EngineHeader)).splitlines()
+
+
+@pytest.mark.anyio
+async def test_rejections_running_and_waiting_and_the_diagnosis_on_screen(engine):
+    app = KvtopApp(LiveSource(engine["server"].socket, interval=0.2))
+    async with app.run_test(size=(80, 24)) as pilot:  # the KV tab of a small terminal
+
+        def refusing() -> bool:
+            f = app.source.current
+            return bool(f and f["server"]["rejected"].get("queue_full") and len(app.source.history()) > 5)
+
+        await until(pilot, refusing, "requests refused with 429")
+        await pilot.press("space")  # paused: the frame on screen stays
+        await pilot.pause(0.3)
+        f, history = app.source.current, app.source.history()
+        glance = lines_of(app)[2]
+        s, rejected = f["scheduler"], f["server"]["rejected"]
+        assert glance.startswith(f"{s['running']} running · {s['waiting']} waiting · ")
+        assert f"429 ×{rejected['queue_full']}" in glance
+        findings = diagnose(f, history)
+        assert glance.partition("  ")[2].startswith(f"⚠ {findings[0]}" if findings else "✓ nothing stands out")
+        await pilot.press("4")  # throughput: rejections per second and in total
+        await pilot.pause(0.3)
+        rates = text(app.query_one(ThroughputPanel))
+        assert f"429 ×{rejected['queue_full']}" in rates
+        assert re.search(r"rejected/s +\d", rates), rates
+
+
+@pytest.mark.anyio
+async def test_draining_is_diagnosed(engine):
+    server = engine["server"]
+    app = KvtopApp(LiveSource(server.socket, interval=0.2))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a frame")
+        with server.control() as c:
+            c.drain(timeout_s=30)
+        try:
+            await until(pilot, lambda: "⚠ draining: admitting nothing (503)" in lines_of(app)[2]
+                        or "⚠ drained: admitting nothing" in lines_of(app)[2], "the diagnosis")  # fmt: skip
+        finally:
+            with server.control() as c:
+                c.resume()
+        await until(pilot, lambda: "● running" in lines_of(app)[0], "the engine to resume")
+
+
+@pytest.mark.anyio
+async def test_killed_engine_replaces_the_state_and_a_restart_is_an_event(engine):
+    """Last in the module: the engine is killed, then a new one starts on the same socket."""
+    server = engine["server"]
+    app = KvtopApp(LiveSource(server.socket, interval=0.2, max_backoff=0.5))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: len(app.source.history()) > 2, "frames")
+        assert "● running" in lines_of(app)[0]
+        server.stop(signal.SIGKILL)
+        await until(pilot, lambda: "✖ unreachable since" in lines_of(app)[0], "the header to say unreachable")
+        header = lines_of(app)
+        assert "● running" not in header[0] and "steps/s" not in header[0] and " up " not in header[0]
+        assert header[2].startswith("last frame: ")
+        dashboard = app.query_one(Dashboard)
+        assert dashboard.has_class("-stale")
+        for panel in dashboard.query(".panel"):  # every panel still there, and dimmed
+            assert panel.styles.text_style.dim, f"{panel.id} is not dimmed"
+
+        engine["server"] = start_server(server.model, *SERVE_ARGS, socket_path=server.socket, tmp=server.tmp)
+        events = app.query_one(EventsPanel)
+        await until(pilot, lambda: "engine_restarted" in text(events), "the restart in the events", timeout=90)
+        assert "● running" in lines_of(app)[0] and "unreachable" not in lines_of(app)[0]
+        assert not dashboard.has_class("-stale")
+        restart = next(e for e in app.source.events() if e["kind"] == "engine_restarted")
+        assert "the last one was up" in restart["detail"]

@@ -39,7 +39,7 @@ def rejected_summary(frame: dict) -> str:
     rejected = {k: v for k, v in ((frame.get("server") or {}).get("rejected") or {}).items() if v}
     if not rejected:
         return ""
-    parts = ", ".join(f"{REJECT_CODES.get(k, k)} ×{v}" for k, v in sorted(rejected.items()))
+    parts = ", ".join(f"{code} ×{v}" for code, v in sorted((REJECT_CODES.get(k, k), v) for k, v in rejected.items()))
     return f"{sum(rejected.values())} rejected ({parts})"
 
 
