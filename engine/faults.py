@@ -5,6 +5,8 @@ variable, so the engine's failure handling is exercised on the real path.
     KVTOP_FAULT_INJECT="step=5,9"        steps 5 and 9 raise
     KVTOP_FAULT_INJECT="every=50"        every 50th step raises
     KVTOP_FAULT_INJECT="token=31337"     any step carrying a sequence whose prompt holds token 31337
+    KVTOP_FAULT_INJECT="stall=5"         every step waits 5 s before the model runs (a slow device: the
+                                         state between steps holds still long enough to read it everywhere)
 
 Unset (the default), it costs one attribute check per step.
 """
@@ -12,6 +14,7 @@ Unset (the default), it costs one attribute check per step.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
@@ -28,10 +31,11 @@ class FaultInjector:
     steps: set[int] = field(default_factory=set)
     every: int = 0
     token: int | None = None
+    stall: float = 0.0
 
     @property
     def active(self) -> bool:
-        return bool(self.steps or self.every or self.token is not None)
+        return bool(self.steps or self.every or self.token is not None or self.stall)
 
     @classmethod
     def from_env(cls) -> FaultInjector:
@@ -46,13 +50,17 @@ class FaultInjector:
                 return cls(every=int(value))
             if key == "token":
                 return cls(token=int(value))
+            if key == "stall":
+                return cls(stall=float(value))
         except ValueError:
             pass
-        raise ConfigError(f"{ENV}={spec!r}: use step=N[,M…], every=N or token=ID")
+        raise ConfigError(f"{ENV}={spec!r}: use step=N[,M…], every=N, token=ID or stall=SECONDS")
 
     def maybe_fail(self, step: int, batch) -> None:
         if not self.active:
             return
+        if self.stall:
+            time.sleep(self.stall)  # outside the engine lock: stats, /metrics and control still answer
         if step in self.steps or (self.every and step % self.every == self.every - 1):
             raise InjectedFault(f"injected fault at step {step} ({ENV})")
         if self.token is not None and any(self.token in s.prompt_token_ids for s in batch.seqs):
