@@ -80,3 +80,33 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate():
     # burstier arrivals spread more
     assert np.std(bench.arrival_gaps(4000, 20.0, 0.5, 1)) > np.std(bench.arrival_gaps(4000, 20.0, 1.0, 1))
     assert bench.arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_dir):
+    # 64 KiB at 512 B/token: 8 blocks of 16 tokens, where 8 requests of ~50 tokens need ~32
+    s = start_server(tiny_dir, "--kv-cache-memory", "64KiB", "--stats-interval", "0.2")
+    yield s
+    s.cleanup()
+
+
+def test_bench_peak_under_forced_preemption_is_the_servers_own(tight_server, tmp_path):
+    out = tmp_path / "tight.json"
+    # the URL as `kvctl serve` prints it, with /v1: the bench must not ask for /v1/v1/models
+    proc = kvctl("bench", "--base-url", f"{tight_server.url}/v1", "--num-prompts", "8", "--input-len", "6:10",
+                 "--output-len", "40", "--json", str(out), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 8 and rep["failed"] == 0
+    frame = tight_server.stats()
+    assert rep["server"]["preemptions"] == frame["scheduler"]["preemptions_total"] > 0
+    # a decode step preempts only when no block is left: the cache was 100 % held at that moment
+    assert frame["kv"]["peak_usage"] == 1.0
+    assert rep["server"]["peak_kv_usage"] == 1.0
+    assert "peak KV usage 100.0 %" in proc.stdout
+
+
+def test_bench_base_url_forms_are_the_same_server():
+    root = "http://127.0.0.1:8401"
+    for pasted in (root, f"{root}/", f"{root}/v1", f"{root}/v1/", f" {root}/v1 "):
+        assert bench.api_base(pasted) == root
