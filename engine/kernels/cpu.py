@@ -27,7 +27,10 @@ from engine.model.loader import cache_dir, log
 
 NAME = "kvtop_cpu_attention"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
+# thread); the libgomp it links is the one torch has already loaded (same soname).
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # this process's one attempt: {"ok": bool}
@@ -46,7 +49,13 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this machine's build lives: a new source, torch, CPU or compiler means a new build."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__, _cpu_flags(), " ".join(CFLAGS), os.environ.get("CXX", "")):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__,
+        _cpu_flags(),
+        " ".join(CFLAGS + LDFLAGS),
+        os.environ.get("CXX", ""),
+    ):
         digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
     return cache_dir() / "kernels" / f"cpu-attention-{digest.hexdigest()[:16]}"
@@ -89,6 +98,7 @@ def _build(directory: Path) -> None:
             name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,

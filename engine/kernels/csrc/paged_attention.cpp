@@ -7,7 +7,7 @@
 // item; the softmax is online, one key block at a time. Items run in parallel through
 // at::parallel_for. Accumulation is fp32 whatever the query and cache dtypes.
 //
-// Built by engine/kernels/cpu.py with -O3 -march=native -fopenmp-simd; plain loops that the
+// Built by engine/kernels/cpu.py with -O3 -march=native -fopenmp; plain loops that the
 // compiler vectorizes (omp simd) keep the build light: no vec.h, no pybind11.
 
 #include <ATen/Parallel.h>
@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -64,6 +65,42 @@ inline float dot(const float* a, const float* b, int64_t d) {
 inline void axpy(float a, const float* x, float* y, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+// exp(x) for x <= 0 (a score minus its row's running max), as Cephes' expf: n = round(x / ln 2),
+// exp(r) by a degree-6 polynomial on |r| <= ln 2 / 2, times 2^n from the exponent bits. Within
+// 2 ulp of expf, and unlike a call to expf it vectorizes.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // 2^n stays a normal float; exp(-87) is 1.6e-38, nothing next to 1
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Softmax numerators of one row's visible scores in place; returns their sum.
+inline float exp_row(float* sc, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    sc[j] = exp_nonpositive(sc[j] - m);
+    sum += sc[j];
+  }
+  return sum;
+}
+
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t n, int64_t row_stride, int64_t d) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + j * row_stride);
+    for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off);
+  }
 }
 
 // One layer's K or V cache and its dequantization scales, as one KV head sees it.
@@ -122,11 +159,13 @@ inline const float* block_rows(const CacheView& c, int64_t block, int64_t head, 
 }
 
 // Attention of `rows` prescaled query rows (s.q) over the first s.limit[r] keys of one KV head of
-// one sequence; the result, normalized, lands in s.acc.
-template <typename T>
-void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, int64_t d, int64_t head,
+// one sequence; the result, normalized, lands in s.acc. kD > 0 fixes the head dim at compile time
+// (64 and 128: the loops unroll); 0 reads it from d.
+template <typename T, int kD>
+void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, int64_t dyn_d, int64_t head,
             const CacheView& kc, const CacheView& vc) {
-  int64_t max_limit = *std::max_element(s.limit.begin(), s.limit.begin() + rows);
+  const int64_t d = kD > 0 ? kD : dyn_d;
+  const int64_t max_limit = *std::max_element(s.limit.begin(), s.limit.begin() + rows);
   std::fill(s.acc.begin(), s.acc.begin() + rows * d, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, kNegInf);
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
@@ -135,24 +174,32 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
     const int64_t start = b * block_size;
     const int64_t n = std::min(block_size, max_limit - start);  // never read past the longest row
     const int64_t block = table[b];
+    if (b + 1 < nblocks) {  // the next block is anywhere in the cache: ask for it while this one runs
+      const int64_t next = table[b + 1], next_n = std::min(block_size, max_limit - start - block_size);
+      const int64_t off_k = next * kc.block_stride + head * kc.head_stride;
+      const int64_t off_v = next * vc.block_stride + head * vc.head_stride;
+      prefetch_rows(static_cast<const T*>(kc.data) + off_k, next_n, kc.row_stride, d);
+      prefetch_rows(static_cast<const T*>(vc.data) + off_v, next_n, vc.row_stride, d);
+    }
     int64_t kstride, vstride;
     const float* k = block_rows<T>(kc, block, head, n, d, s.kbuf.data(), &kstride);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + j * kstride;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (s.limit[r] - start > j) s.scores[r * block_size + j] = dot(s.q.data() + r * d, kr, d);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
-      float* sc = s.scores.data() + r * block_size;
-      const float* qr = s.q.data() + r * d;
-      for (int64_t j = 0; j < visible; ++j) sc[j] = dot(qr, k + j * kstride, d);
       if (visible == 0) continue;
-      float mb = *std::max_element(sc, sc + visible);
-      const float m_new = std::max(s.m[r], mb);
-      const float alpha = std::exp(s.m[r] - m_new);
-      float sum = 0.f;
-      for (int64_t j = 0; j < visible; ++j) sum += (sc[j] = std::exp(sc[j] - m_new));
-      for (int64_t j = visible; j < n; ++j) sc[j] = 0.f;
-      s.l[r] = s.l[r] * alpha + sum;
+      float* sc = s.scores.data() + r * block_size;
+      const float m_new = std::max(s.m[r], *std::max_element(sc, sc + visible));
+      const float alpha = std::exp(s.m[r] - m_new);  // 0 on the first block (m = -inf)
+      s.l[r] = s.l[r] * alpha + exp_row(sc, visible, m_new);
       s.m[r] = m_new;
       if (alpha != 1.f) {
         float* a = s.acc.data() + r * d;
+#pragma omp simd
         for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
       }
     }
@@ -160,14 +207,14 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = v + j * vstride;
       for (int64_t r = 0; r < rows; ++r) {
-        if (s.limit[r] - start <= j) continue;
-        axpy(s.scores[r * block_size + j], vr, s.acc.data() + r * d, d);
+        if (s.limit[r] - start > j) axpy(s.scores[r * block_size + j], vr, s.acc.data() + r * d, d);
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / s.l[r];
     float* a = s.acc.data() + r * d;
+#pragma omp simd
     for (int64_t i = 0; i < d; ++i) a[i] *= inv;
   }
 }
@@ -214,7 +261,14 @@ void run_tiles(const at::Tensor& q, at::Tensor& out, const CacheView& kc, const 
           s.limit[i * group + g] = t.first_limit + i;
         }
       }
-      attend<T>(s, rows, tables + t.seq * table_stride, block_size, d, h, kc, vc);
+      const int32_t* table = tables + t.seq * table_stride;
+      if (d == 64) {
+        attend<T, 64>(s, rows, table, block_size, d, h, kc, vc);
+      } else if (d == 128) {
+        attend<T, 128>(s, rows, table, block_size, d, h, kc, vc);
+      } else {
+        attend<T, 0>(s, rows, table, block_size, d, h, kc, vc);
+      }
       for (int64_t i = 0; i < t.num_tokens; ++i) {
         float* dst = op + ((t.first_token + i) * heads + h * group) * d;
         std::copy(s.acc.data() + i * group * d, s.acc.data() + (i + 1) * group * d, dst);
