@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 
@@ -110,3 +111,52 @@ def test_bench_base_url_forms_are_the_same_server():
     root = "http://127.0.0.1:8401"
     for pasted in (root, f"{root}/", f"{root}/v1", f"{root}/v1/", f" {root}/v1 "):
         assert bench.api_base(pasted) == root
+
+
+def test_the_metrics_poller_survives_failed_scrapes():
+    """A busy server that fails a few scrapes (here a plain HTTP server that answers 503, then
+    times out once, then serves) must not end the sampling: the later peak is still seen."""
+    import asyncio
+    import contextlib
+    import http.server
+    import threading
+    import time
+
+    answers = iter([503, 503, "slow", 200])
+
+    class Flaky(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            a = next(answers, 200)
+            if a == "slow":
+                time.sleep(6)  # beyond the poller's 5 s timeout
+                a = 200
+            body = b"kvtop_kv_cache_usage_perc 0.75\n" if a == 200 else b""
+            with contextlib.suppress(OSError):  # the poller gave up on the slow one
+                self.send_response(a)
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    async def sample() -> dict:
+        peak: dict = {}
+        stop = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(bench._poll_server(client, f"http://127.0.0.1:{srv.server_port}", stop, peak))
+            deadline = time.monotonic() + 30
+            while "kv" not in peak and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            stop.set()
+            await task
+        return peak
+
+    try:
+        peak = asyncio.run(sample())
+    finally:
+        srv.shutdown()
+    assert peak["failed_scrapes"] == 3
+    assert peak["kv"] == 0.75
