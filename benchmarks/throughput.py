@@ -3,6 +3,10 @@ and transformers' `generate_batch` (its own continuous batching), in one process
 
     .venv/bin/python benchmarks/throughput.py                       # both workloads, fp32 and bf16
     .venv/bin/python benchmarks/throughput.py --dtype bfloat16 --workload fixed
+    .venv/bin/python benchmarks/throughput.py --dtype float32 --workload fixed --attention-backend cpu,reference
+
+`--attention-backend` picks the engine's attention kernels (default auto); a comma-separated list
+runs only the engine, once per backend on the same prompts, and prints each against the first.
 
 Workloads (SmolLM2-135M, random prompt token ids, seeded):
   fixed:    64 prompts of 32–512 tokens × 128 output tokens (ignore_eos)
@@ -69,6 +73,31 @@ def run_hf_generate_batch(model, prompts, out_lens) -> float | None:
     return time.perf_counter() - t0
 
 
+def compare_backends(backends: list[str], dtypes: list[str], kinds: list[str], args) -> list[dict]:
+    """The engine alone on each attention backend, same prompts, in one process."""
+    results = []
+    for dtype in dtypes:
+        for kind in kinds:
+            prompts, out_lens = workload(kind, args.num_prompts)
+            useful = sum(out_lens)
+            for backend in backends:
+                llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory,
+                          attention_backend=backend, quiet=True)  # fmt: skip
+                resolved = llm.stats()["engine"]["attention_backend"]
+                run_engine(llm, *workload("fixed", 4, seed=99))  # warm-up
+                best = min(run_engine(llm, prompts, out_lens) for _ in range(args.repeats))
+                row = {"dtype": dtype, "workload": kind, "attention_backend": resolved, "engine_tok_s": useful / best}
+                results.append(row)
+                first = next(r for r in results if r["dtype"] == dtype and r["workload"] == kind)
+                print(
+                    f"{dtype:9} {kind:8} engine[{resolved}] {row['engine_tok_s']:7.1f} tok/s"
+                    f" ({row['engine_tok_s'] / first['engine_tok_s']:.2f}x of {first['attention_backend']})",
+                    flush=True,
+                )
+                del llm
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
@@ -79,6 +108,10 @@ def main() -> None:
                     help="prompts for transformers generate_batch (slow on CPU; 0 skips it)")  # fmt: skip
     ap.add_argument("--kv-cache-memory", default="3GiB")
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument(
+        "--attention-backend", default="auto", help="auto, cpu, triton, reference, or a list: cpu,reference"
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="with a list of backends: runs of each, the best kept")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -89,9 +122,13 @@ def main() -> None:
     kinds = ["fixed", "variable"] if args.workload == "both" else [args.workload]
     results = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M; {args.num_prompts} prompts")
+    if "," in args.attention_backend:
+        results = compare_backends(args.attention_backend.split(","), dtypes, kinds, args)
+        dtypes = []
     for dtype in dtypes:
         tdtype = getattr(torch, dtype)
-        llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory, quiet=True)
+        llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory,
+                  attention_backend=args.attention_backend, quiet=True)  # fmt: skip
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
         # warm both paths once so one-time costs (allocator, kernels) do not land in the figures
         run_engine(llm, *workload("fixed", 4, seed=99))

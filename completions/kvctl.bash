@@ -113,7 +113,7 @@ _kvctl_complete() {
                 --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
                 --max-model-len) COMPREPLY=(); return 0 ;;
                 --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
-                --attention-backend) COMPREPLY=( $(compgen -W "auto triton reference" -- "$cur") ); return 0 ;;
+                --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
                 --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
                 --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
                 --cpu-offload-memory) COMPREPLY=(); return 0 ;;
@@ -154,7 +154,7 @@ _kvctl_complete() {
                 --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
                 --max-model-len) COMPREPLY=(); return 0 ;;
                 --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
-                --attention-backend) COMPREPLY=( $(compgen -W "auto triton reference" -- "$cur") ); return 0 ;;
+                --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
                 --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
                 --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
                 --cpu-offload-memory) COMPREPLY=(); return 0 ;;
