@@ -44,16 +44,14 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("top_k", self.top_k, -1, "-1 (off) or a positive integer")
+        _check_int("top_k", self.top_k, -1, f"-1 (off) or a positive integer up to {MAX_COUNT}")
         _check_int("min_tokens", self.min_tokens, 0)
         _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
         _check_float("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check_float("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, "between 0 and 20")
-            if self.logprobs > 20:
-                raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+            _check_int("logprobs", self.logprobs, 0, "between 0 and 20", high=20)
         if self.seed is not None:
             _check_int("seed", self.seed, -(2**63), high=2**64 - 1)
             self.seed %= 2**64  # torch takes seeds in [0, 2^64); seed + i of choice i may step past 2^63
@@ -67,7 +65,7 @@ class SamplingParams:
 
 def _check_int(name: str, value, low: int, what: str | None = None, high: int = MAX_COUNT) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidRequestError(f"{name} must be {what or f'an integer >= {low}'}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be {what or f'an integer in [{low}, {high}]'}, got {value!r}")
 
 
 def _check_float(name: str, value, ok, what: str) -> None:
