@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from engine.snapshot import write_snapshot
 from kvtop import cli
 from kvtop.completion import generate
-from tests.server_harness import kvctl
+from tests.server_harness import kvctl, start_server
 
 ROOT = Path(__file__).parents[1]
 COMPLETIONS = ROOT / "completions"
@@ -188,3 +189,30 @@ def test_zsh_and_fish_scripts_parse(shell):
     for path in COMPLETIONS.iterdir():
         if (shell == "zsh" and path.name.startswith("_")) or (shell == "fish" and path.suffix == ".fish"):
             subprocess.run([shell, "-n", str(path)], check=True)
+
+
+def test_version_of_kvctl_and_kvtop():
+    from kvtop import __version__
+
+    for prog in ("kvtop.cli", "kvtop.app"):
+        proc = subprocess.run([sys.executable, "-m", prog, "--version"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        name = {"kvtop.cli": "kvctl", "kvtop.app": "kvtop"}[prog]
+        assert proc.stdout.strip() == f"{name} {__version__}"  # not "Missing command"
+
+
+def test_serve_warns_and_advertises_the_real_context_limit(tiny_dir):
+    # max_model_len 8192 but 360 KiB of KV at 512 B/token holds 720 tokens
+    server = start_server(tiny_dir, "--max-model-len", "8192", "--kv-cache-memory", "360KiB")
+    try:
+        with server.http() as http:
+            card = http.get("/v1/models").json()["data"][0]
+            assert card["max_model_len"] == 720  # what a request can really use, as vLLM's field
+            long = http.post("/v1/completions", json={"model": server.model, "prompt": [5] * 800, "max_tokens": 1})
+            assert long.status_code == 400 and "at most 719 fit" in long.json()["error"]["message"]
+        warnings = [line for line in server.log.splitlines() if "warning" in line]
+        assert len(warnings) == 1, server.log
+        assert "max_model_len 8192 but the KV cache holds 720 tokens" in warnings[0]
+        assert "raise --kv-cache-memory or lower --max-model-len" in warnings[0]
+    finally:
+        server.cleanup()
