@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,52 +34,86 @@ def stats_schema() -> dict:
     return json.loads(SCHEMA_PATH.read_text())
 
 
+@dataclass(eq=False)
+class _Node:
+    """One schema node with its `$ref` resolved, ready to check values against."""
+
+    types: tuple[str, ...] = ()
+    ok: Callable[[Any], bool] | None = None  # the type check
+    const: tuple = ()  # () or (the value,)
+    enum: list | None = None
+    required: tuple[str, ...] = ()
+    props: dict[str, _Node] = field(default_factory=dict)
+    extra: _Node | None = None
+    items: _Node | None = None
+
+
+@cache
+def _root() -> _Node:
+    schema = stats_schema()
+    return _compile(schema, schema, {})
+
+
+def _compile(schema: dict, root: dict, seen: dict[int, _Node]) -> _Node:
+    if "$ref" in schema:
+        target: Any = root
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    types = schema.get("type", ())
+    node = _Node(
+        types=(types,) if isinstance(types, str) else tuple(types),
+        const=(schema["const"],) if "const" in schema else (),
+        enum=schema.get("enum"),
+        required=tuple(schema.get("required", ())),
+    )
+    checks = [TYPES[t] for t in node.types if t in TYPES]
+    if checks:
+        node.ok = checks[0] if len(checks) == 1 else lambda v: any(c(v) for c in checks)
+    node.props = {k: _compile(v, root, seen) for k, v in schema.get("properties", {}).items()}
+    if isinstance(schema.get("additionalProperties"), dict):
+        node.extra = _compile(schema["additionalProperties"], root, seen)
+    if isinstance(schema.get("items"), dict):
+        node.items = _compile(schema["items"], root, seen)
+    return node
+
+
 def check_frame(frame: Any) -> str | None:
     """None for a frame the dashboard can draw, else what is wrong with it, in a few words."""
     if not isinstance(frame, dict):
         return f"a JSON {_kind(frame)}, not an object"
-    root = stats_schema()
-    stack: list[tuple[Any, dict, str]] = [(frame, root, "")]
+    stack: list[tuple[Any, _Node, str]] = [(frame, _root(), "")]
     while stack:  # no recursion: a frame's depth is the file's choice, not ours
-        value, schema, where = stack.pop()
-        schema = _resolve(root, schema)
-        problem = _check_one(value, schema)
+        value, node, where = stack.pop()
+        problem = _check_one(value, node)
         if problem:
             return f"{where or 'the frame'}: {problem}"
         if isinstance(value, dict):
-            props = schema.get("properties", {})
-            extra = schema.get("additionalProperties")
             for key, item in value.items():
-                sub = props.get(key, extra if isinstance(extra, dict) else None)
+                sub = node.props.get(key, node.extra)
                 if sub is not None:
                     stack.append((item, sub, f"{where}.{key}" if where else key))
-        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-            stack.extend((item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, list) and node.items is not None:
+            sub = node.items
+            if not (sub.props or sub.extra or sub.items or sub.required):  # leaves: no need to stack them
+                for i, item in enumerate(value):
+                    problem = _check_one(item, sub)
+                    if problem:
+                        return f"{where}[{i}]: {problem}"
+            else:
+                stack.extend((item, sub, f"{where}[{i}]") for i, item in enumerate(value))
     return None
 
 
-def _resolve(root: dict, schema: dict) -> dict:
-    ref = schema.get("$ref")
-    if not ref:
-        return schema
-    node: Any = root
-    for part in ref.removeprefix("#/").split("/"):
-        node = node[part]
-    return {**node, **{k: v for k, v in schema.items() if k != "$ref"}}
-
-
-def _check_one(value: Any, schema: dict) -> str | None:
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else types
-        if not any(TYPES[t](value) for t in names if t in TYPES):
-            return f"expected {' or '.join(names)}, found a JSON {_kind(value)}"
-    if "const" in schema and value != schema["const"]:
-        return f"expected {schema['const']!r}, found {_short(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"expected one of {', '.join(map(str, schema['enum']))}, found {_short(value)}"
-    if isinstance(value, dict):
-        missing = [k for k in schema.get("required", ()) if k not in value]
+def _check_one(value: Any, node: _Node) -> str | None:
+    if node.ok is not None and not node.ok(value):
+        return f"expected {' or '.join(node.types)}, found a JSON {_kind(value)}"
+    if node.const and value != node.const[0]:
+        return f"expected {node.const[0]!r}, found {_short(value)}"
+    if node.enum is not None and value not in node.enum:
+        return f"expected one of {', '.join(map(str, node.enum))}, found {_short(value)}"
+    if node.required and isinstance(value, dict):
+        missing = [k for k in node.required if k not in value]
         if missing:
             return f"missing {', '.join(missing)}"
     return None

@@ -15,6 +15,8 @@ import os
 import sqlite3
 import threading
 from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -24,6 +26,7 @@ from engine.snapshot import SNAPSHOT_SCHEMA_VERSION, TABLES, Snapshot, SnapshotE
 from engine.stats import normalize_frame
 
 MAX_EVENTS = 100_000  # an engine keeps 5,000; a crafted file cannot make replay hold millions
+CACHE_FRAMES, CACHE_BYTES = 4096, 32 * 1024**2  # LazyFrames: parsed frames kept, and about their JSON's size
 HEADER = b"SQLite format 3\x00"
 
 
@@ -76,18 +79,26 @@ class SnapshotReader:
 
     def frame(self, i: int) -> dict:
         """The i-th frame, checked: FrameError if the dashboard could not draw it."""
-        frame = self.loose_frame(i)
+        return self.read(i)[0]
+
+    def read(self, i: int) -> tuple[dict, int]:
+        """The i-th frame, checked, and the size of its JSON in bytes (what it costs to keep)."""
+        frame, size = self._load(i)
         problem = check_frame(frame)
         if problem:
             raise FrameError(self.path, i, problem)
-        return frame
+        return frame, size
 
     def loose_frame(self, i: int) -> dict:
         """The i-th frame as stored: a JSON object, nothing more is promised."""
+        return self._load(i)[0]
+
+    def _load(self, i: int) -> tuple[dict, int]:
         with self._lock:
             row = self._query(lambda: self._conn.execute("select frame from frames where rowid = ?", (self._rowids[i],)).fetchone())  # fmt: skip
         if row is None:
             raise FrameError(self.path, i, "it is gone from the file")
+        size = len(row[0]) if isinstance(row[0], str | bytes) else 8
         try:
             frame = json.loads(row[0])
         except RecursionError:
@@ -97,7 +108,7 @@ class SnapshotReader:
         if not isinstance(frame, dict):
             raise FrameError(self.path, i, check_frame(frame) or "not an object")
         try:
-            return normalize_frame(frame)
+            return normalize_frame(frame), size
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise FrameError(self.path, i, f"kv: counts that are not numbers ({exc})") from None
 
@@ -163,6 +174,72 @@ class SnapshotReader:
                            "detail": "" if detail is None else str(detail)})  # fmt: skip
         events.sort(key=lambda e: e["ts"])
         return events
+
+
+class LazyFrames(Sequence):
+    """A snapshot's frames, read from the file when asked for; the recently used ones stay parsed,
+    at most `max_frames` of them and about `max_bytes` of their JSON, so a recording of any
+    length costs about the same memory. A frame that is not a stats frame raises FrameError."""
+
+    def __init__(self, reader: SnapshotReader, max_frames: int = CACHE_FRAMES, max_bytes: int = CACHE_BYTES) -> None:
+        self.reader = reader
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self._cache: OrderedDict[int, tuple[dict | FrameError, int]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.window(*i.indices(len(self))[:2], budget=None)
+        i = range(len(self))[i]  # negative indices; IndexError past the end
+        got, _ = self._get(i)
+        if isinstance(got, FrameError):
+            raise got
+        return got
+
+    def window(self, lo: int, hi: int, budget: int | None = None, most: int | None = None) -> list[dict]:
+        """The good frames in [lo, hi), oldest first: read newest first until `budget` bytes of
+        JSON; past `most` frames, the newer half of `most` stay dense and the older ones are
+        thinned evenly (a sparkline needs their shape, not every point)."""
+        out: list[dict] = []
+        spent = 0
+        for i in _thinned(lo, hi, most):
+            got, size = self._get(i)
+            spent += size
+            if budget is not None and spent > budget and out:
+                break
+            if not isinstance(got, FrameError):
+                out.append(got)
+        out.reverse()
+        return out
+
+    def _get(self, i: int) -> tuple[dict | FrameError, int]:
+        hit = self._cache.get(i)
+        if hit is not None:
+            self._cache.move_to_end(i)
+            return hit
+        try:
+            hit = self.reader.read(i)
+        except FrameError as exc:
+            hit = (exc, 64)
+        self._cache[i] = hit
+        self._bytes += hit[1]
+        while len(self._cache) > 1 and (len(self._cache) > self.max_frames or self._bytes > self.max_bytes):
+            _, (_, size) = self._cache.popitem(last=False)
+            self._bytes -= size
+        return hit
+
+
+def _thinned(lo: int, hi: int, most: int | None) -> Iterator[int]:
+    """Indices from hi - 1 down to lo: all of them, or about `most` (see LazyFrames.window)."""
+    if most is None or hi - lo <= most:
+        yield from range(hi - 1, lo - 1, -1)
+        return
+    dense = most // 2
+    yield from range(hi - 1, hi - 1 - dense, -1)
+    yield from range(hi - 1 - dense, lo - 1, -math.ceil((hi - dense - lo) / (most - dense)))
 
 
 def _finite(v: Any) -> bool:

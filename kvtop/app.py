@@ -331,10 +331,10 @@ def run(
         print(f"kvtop {__version__}")
         raise typer.Exit()
     if replay is not None:
-        from engine.snapshot import SnapshotError, read_snapshot
+        from engine.snapshot import SnapshotError
 
         try:
-            source: FrameSource = ReplaySource(read_snapshot(replay))
+            source: FrameSource = ReplaySource.open(replay)  # frames are read as they are shown
         except SnapshotError as exc:
             print(f"kvtop: {exc}", file=sys.stderr)
             raise typer.Exit(1) from None

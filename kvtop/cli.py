@@ -438,8 +438,9 @@ def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")
     import inspect
 
     from engine.snapshot import read_snapshot
+    from engine.snapshot_reader import SnapshotReader
 
-    snap = read_snapshot(file)  # SnapshotError: one line and exit 1 (main)
+    SnapshotReader(file).close()  # a quick look, not a load: SnapshotError is one line and exit 1 (main)
     from kvtop import app as dashboard
 
     try:
@@ -448,6 +449,7 @@ def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")
         takes_argv = False
     if takes_argv:
         raise typer.Exit(dashboard.main(["--replay", str(file)]) or 0)
+    snap = read_snapshot(file)
     meta = snap.meta
     span = snap.frames[-1]["ts"] - snap.frames[0]["ts"]
     out.print(

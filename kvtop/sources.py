@@ -9,17 +9,19 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 
 from engine.snapshot import Snapshot
+from engine.snapshot_reader import FrameError, LazyFrames, SnapshotReader
 from kvtop.client import EngineClient, EngineRequestError, EngineUnavailable, resolve_socket
 
 HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
@@ -30,6 +32,8 @@ NOTABLE_EVENTS = (
 BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: first to go, shown as one line
 EVENTS_KEPT = 2000
 PREFILL_S = 120.0  # on connecting, frames this far back are taken from the engine's /v1/history
+HISTORY_BYTES, HISTORY_FRAMES = 16 * 1024**2, 400  # replay: what sparklines read back at most (then thinned)
+CHECK_AT_OPEN = 32  # replay: frames checked before the dashboard starts; the rest when shown
 
 
 class SourceUnavailable(Exception):
@@ -235,13 +239,21 @@ SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 class ReplaySource(FrameSource):
-    """The frames of a snapshot, played back at a chosen speed, or stepped and jumped through."""
+    """The frames of a snapshot, played back at a chosen speed, or stepped and jumped through.
 
-    def __init__(self, snapshot: Snapshot, clock: Callable[[], float] = time.monotonic) -> None:
+    From a loaded `Snapshot` (tests, tools) or, as `kvtop --replay` opens one, from a
+    `SnapshotReader` that reads frames on demand (`ReplaySource.open`). A frame that is not a
+    stats frame leaves the last good one on screen and says so in `error`."""
+
+    def __init__(self, snapshot: Snapshot | SnapshotReader, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.snapshot = snapshot
-        self.frames = snapshot.frames
-        self._ts = [f["ts"] for f in self.frames]
+        if isinstance(snapshot, Snapshot):
+            self.frames: Sequence[dict] = snapshot.frames
+            self._ts: Sequence[float] = [f["ts"] for f in self.frames]
+        else:
+            self.frames = LazyFrames(snapshot)
+            self._ts = snapshot.ts
         self._events = sorted(snapshot.events, key=lambda e: e["ts"])
         self._event_ts = [e["ts"] for e in self._events]
         self._clock = clock
@@ -249,9 +261,27 @@ class ReplaySource(FrameSource):
         self.playing = False
         self.speed = 1.0
         self._played_from: tuple[float, float] | None = None  # (wall clock, frame time) at play
+        self.error: str | None = None  # why the frame at `index` is not the one on screen
         self.current = self.frames[0]
         self._shown = -1
         self._lock = threading.RLock()
+
+    @classmethod
+    def open(cls, path: str | Path, clock: Callable[[], float] = time.monotonic) -> ReplaySource:
+        """Open a snapshot file for replay: SnapshotError (one line) if it is not one, or if one
+        of its first frames is not a stats frame; frames further on are checked when shown."""
+        reader = SnapshotReader(path)
+        try:
+            for i in range(min(len(reader), CHECK_AT_OPEN)):
+                reader.frame(i)
+            return cls(reader, clock)
+        except BaseException:
+            reader.close()
+            raise
+
+    def close(self) -> None:
+        if isinstance(self.snapshot, SnapshotReader):
+            self.snapshot.close()
 
     @property
     def start_ts(self) -> float:
@@ -284,7 +314,11 @@ class ReplaySource(FrameSource):
 
     def _show(self) -> dict:
         self._shown = self.index
-        self.current = self.frames[self.index]
+        try:
+            self.current = self.frames[self.index]
+            self.error = None
+        except FrameError as exc:  # keep the last good frame on screen, and say why
+            self.error = exc.short
         return self.current
 
     @_locked
@@ -292,6 +326,8 @@ class ReplaySource(FrameSource):
         now = self._ts[self.index]
         lo = bisect_right(self._ts, now - seconds)
         lo = max(0, min(lo, self.index))
+        if isinstance(self.frames, LazyFrames):
+            return self.frames.window(lo, self.index + 1, budget=HISTORY_BYTES, most=HISTORY_FRAMES)
         return self.frames[lo : self.index + 1]
 
     @_locked
@@ -369,11 +405,15 @@ def parse_offset(text: str, length_s: float) -> float:
         raise ValueError("type a time: 12.5, 1:30, -5 (from the end) or 50%")
     try:
         if t.endswith("%"):
-            return length_s * float(t[:-1]) / 100
-        if ":" in t:
+            v = length_s * float(t[:-1]) / 100
+        elif ":" in t:
             minutes, _, secs = t.lstrip("+").partition(":")
-            return int(minutes) * 60 + float(secs)
-        v = float(t)
-    except ValueError:
+            v = int(minutes) * 60 + float(secs)
+        else:
+            v = float(t)
+            v = length_s + v if t.startswith("-") else v
+    except (ValueError, OverflowError):
         raise ValueError(f"cannot read {text!r} as a time: use 12.5, 1:30, -5 or 50%") from None
-    return length_s + v if t.startswith("-") else v
+    if not math.isfinite(v):
+        raise ValueError(f"{text!r} is not a time in the recording: use 12.5, 1:30, -5 or 50%")
+    return v

@@ -1,4 +1,5 @@
-"""The replay timeline: play state and speed, position, the snapshot's trigger, and the events
+"""The replay timeline: play state and speed, position, the snapshot's trigger (and, when the
+frame at the position is not a stats frame, why the last good one is still shown), and the events
 along the recording as marks under a bar (`p` preemption, `e` eviction, `d` drain, `r` resume,
 `a` abort, `s` snapshot; the most severe wins a cell)."""
 
@@ -34,6 +35,9 @@ class Timeline(Static):
             ("trigger: ", "bold"),
             (source.reason or "?", "italic"),
         )
+        if source.error:  # a frame that is not a stats frame: the last good one stays on screen
+            head = Text.assemble(head, "  ", (f"⚠ {source.error}", "bold red"))
+            head.truncate(width * 2, overflow="ellipsis")
         pos = min(width - 1, int(source.position / length * (width - 1)))
         bar = Text.assemble(("━" * pos, "bold cyan"), ("●", "bold"), ("─" * (width - 1 - pos), "bright_black"))
         cells = [" "] * width
