@@ -12,7 +12,9 @@ import string
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,38 +34,110 @@ def server(tiny_dir):
 
 
 # ---- fuzzing -----------------------------------------------------------------------------------
+# text a careless client sends: lone surrogates, NUL bytes, quotes, astral characters
+hostile_text = st.lists(st.sampled_from(["a", "é", "\x00", "\ud800", "\udfff", "\U0001f600", "\n", '"', "\\"]),
+                        max_size=6).map("".join)  # fmt: skip
+huge_ints = st.integers(2**62, 10**40) | st.integers(-(10**40), -(2**62))
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(string.printable, max_size=30),
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), huge_ints,
+    st.floats(allow_nan=False, allow_infinity=False), st.text(string.printable, max_size=30), hostile_text,
 )  # fmt: skip
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)  # fmt: skip
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-          "logprobs", "stream_options", "ignore_eos", "top_logprobs", "max_completion_tokens"]  # fmt: skip
+          "logprobs", "stream_options", "ignore_eos", "top_logprobs", "max_completion_tokens", "top_k", "min_p",
+          "min_tokens", "repetition_penalty", "stop_token_ids", "tool_choice", "response_format"]  # fmt: skip
+deep_json = st.integers(50, 6000).map(lambda d: '{"model": "m", "prompt": "x", "deep": ' + "[" * d + "]" * d + "}")
 bodies = st.one_of(
     st.dictionaries(st.sampled_from(FIELDS), values, max_size=8),
     values,
     st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
+    deep_json,
 )
+FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health"]), body=bodies,
-       raw=st.booleans())  # fmt: skip
-def test_fuzzed_requests_never_5xx(server, path, body, raw):
+def _fuzz_one(server, path: str, body, raw: bool, real_model: bool) -> int:
     with server.http(timeout=60) as http:
         if path in ("/v1/models", "/health"):
             r = http.request("POST" if raw else "GET", path)
-        elif raw and isinstance(body, str):
-            r = http.post(
-                path, content=body.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"}
-            )
+        elif isinstance(body, str):  # raw text: a surrogate goes out as its (invalid) UTF-8 bytes
+            r = http.post(path, content=body.encode("utf-8", "surrogatepass"),
+                          headers={"content-type": "application/json"})  # fmt: skip
         else:
-            if isinstance(body, dict) and body.get("stream") is True:
-                body["stream"] = False  # streams are fuzzed below; here we want the status code
-            r = http.post(path, json=body)
+            if isinstance(body, dict):
+                body.pop("stream", None)  # streams are fuzzed elsewhere; here we want the status code
+                if real_model:  # past the model check, into tokenizing and sampling
+                    body["model"] = server.model
+            content = json.dumps(body, ensure_ascii=not raw)  # raw: surrogates unescaped, as raw bytes
+            r = http.post(path, content=content.encode("utf-8", "surrogatepass"),
+                          headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code < 500, (path, body, r.text)
     if r.status_code >= 400:
         assert "error" in r.json() and "message" in r.json()["error"]
+    return r.status_code
+
+
+class Bystander:
+    """A well-behaved client streaming the same greedy completion again and again: every answer
+    must be whole and identical, whatever the fuzzer sends meanwhile."""
+
+    def __init__(self, server) -> None:
+        self.server, self.runs, self.bad = server, 0, []
+        self.body = {"model": server.model, "prompt": "A bystander asks", "max_tokens": 40, "temperature": 0,
+                     "ignore_eos": True}  # fmt: skip
+        with server.http() as http:
+            self.want = http.post("/v1/completions", json=self.body).json()["choices"][0]["text"]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._once()
+            except Exception as exc:  # a dropped connection is a failure too, not a dead thread
+                self.bad.append(repr(exc))
+            self.runs += 1
+
+    def _once(self) -> None:
+        text, finish = [], None
+        body = {**self.body, "stream": True}
+        with self.server.http(timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    finish = choice["finish_reason"] or finish
+        if r.status_code != 200 or "".join(text) != self.want or finish != "length":
+            self.bad.append((r.status_code, "".join(text), finish))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+
+FUZZ_COUNTS: Counter[str] = Counter()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(FUZZ_PATHS), body=bodies, raw=st.booleans(), real_model=st.booleans())
+def _fuzz(server, path, body, raw, real_model):
+    status = _fuzz_one(server, path, body, raw, real_model)
+    FUZZ_COUNTS["examples"] += 1
+    FUZZ_COUNTS[f"{status // 100}xx"] += 1
+
+
+def test_fuzzed_requests_never_5xx_and_a_bystander_is_untouched(server):
+    FUZZ_COUNTS.clear()
+    with Bystander(server) as bystander:
+        _fuzz(server)
+    print(f"\nHTTP fuzz: {dict(FUZZ_COUNTS)}; bystander completions: {bystander.runs}, all intact")
+    assert FUZZ_COUNTS["examples"] >= 100 and FUZZ_COUNTS["5xx"] == 0
+    assert FUZZ_COUNTS["4xx"] > 0 and FUZZ_COUNTS["2xx"] > 0  # the fuzz reached both answers
+    assert bystander.runs >= 1 and not bystander.bad, bystander.bad[:2]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -74,7 +148,10 @@ def test_fuzzed_control_requests_never_5xx(server, path, body):
         http = c._http
         if path == "/v1/drain" and isinstance(body, dict):
             body = {**body, "timeout_s": 0.01}
-        r = http.post(path, json=body) if path not in ("/v1/stats", "/v1/history") else http.get(path)
+        if path in ("/v1/stats", "/v1/history"):
+            r = http.get(path)
+        else:  # json.dumps, not httpx's json=: a lone surrogate must reach the server, escaped
+            r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
         assert r.status_code < 500, (path, body, r.text)
         http.post("/v1/resume")
 
