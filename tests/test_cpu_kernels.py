@@ -151,3 +151,14 @@ def test_a_failed_build_falls_back_to_the_reference(tiny_dir, tmp_path):
     assert "Traceback" not in proc.stderr
     failures = [line for line in proc.stderr.splitlines() if "could not be built" in line]
     assert len(failures) == 1 and "using the reference kernels" in failures[0]
+
+
+def test_a_table_that_does_not_cover_the_context_is_an_error_not_a_crash():
+    args, _ = decode_case("auto", 4, 4, 64)
+    q, k, v, tables, lens, scale = args
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu.paged_decode_attention(q, k, v, tables[:, :2], lens, scale)  # 333 tokens need 21 blocks
+    bad = tables.clone()
+    bad[3, 0] = k.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="not a block of the cache"):
+        cpu.paged_decode_attention(q, k, v, bad, lens, scale)

@@ -277,11 +277,29 @@ void run_tiles(const at::Tensor& q, at::Tensor& out, const CacheView& kc, const 
   });
 }
 
+// A wrong table must be an error, not a read of some other process's memory.
+void check_tables(const std::vector<Tile>& tiles, const at::Tensor& block_tables, int64_t block_size,
+                  int64_t num_blocks) {
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (const Tile& t : tiles) {
+    const int64_t keys = t.first_limit + t.num_tokens - 1;
+    TORCH_CHECK(t.first_limit >= 1 && t.seq < block_tables.size(0), "every query must see at least one key");
+    const int64_t needed = (keys + block_size - 1) / block_size;
+    TORCH_CHECK(needed <= width, "seq_lens reach past the block table");
+    for (int64_t b = 0; b < needed; ++b) {
+      const int32_t block = tables[t.seq * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block table entry ", block, " is not a block of the cache");
+    }
+  }
+}
+
 at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const std::vector<Tile>& tiles, double scale,
                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (tiles.empty()) return out;
+  check_tables(tiles, block_tables, k_cache.size(1), k_cache.size(0));
   const CacheView kc(k_cache, k_scale), vc(v_cache, v_scale);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   switch (k_cache.scalar_type()) {
@@ -314,6 +332,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   check_inputs(q, k_cache, v_cache, block_tables);
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(lens.numel() == q.size(0), "one seq_len per query token");
   std::vector<Tile> tiles;
   tiles.reserve(q.size(0));
   for (int64_t s = 0; s < q.size(0); ++s) tiles.push_back({s, s, 1, lp[s]});
@@ -328,6 +347,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const at::Tensor cu = cu_seqlens_q.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t *cp = cu.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(cu.numel() == lens.numel() + 1 && cp[0] == 0 && cp[lens.numel()] == q.size(0),
+              "cu_seqlens_q: [num_seqs + 1], from 0 to the number of query tokens");
   std::vector<Tile> tiles;
   for (int64_t s = 0; s < lens.size(0); ++s) {
     const int64_t q_len = cp[s + 1] - cp[s];
