@@ -23,7 +23,13 @@ VIEW_KEYS = [
     ),
     Binding("j", "cursor(1)", "Down", show=False, tooltip="sequences: cursor down (↓ too)"),
     Binding("k", "cursor(-1)", "Up", show=False, tooltip="sequences: cursor up (↑ too)"),
-    Binding("enter", "open_sequence", "Details", tooltip="the sequence under the cursor: id, tokens, blocks, events"),
+    Binding(
+        "enter",
+        "open_sequence",
+        "Details",
+        show=False,  # the footer shows the sequences table's own enter while it has the focus
+        tooltip="the sequence under the cursor: id, tokens, blocks, events",
+    ),
     Binding("o", "sort_pick", "Sort", tooltip="sort sequences: pick a column (the same one again reverses)"),
     Binding("O", "sort_reverse", "Reverse", show=False, tooltip="reverse the sort order"),
     Binding("z", "zoom(1)", "Zoom in", show=False, tooltip="block map: fewer blocks per cell"),

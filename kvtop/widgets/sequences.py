@@ -65,6 +65,9 @@ class SequencesTable(DataTable):
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "select_cursor", "Details")]
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return self.screen is self.app.screen  # under a dialog, the keys (and the footer) are the dialog's
+
     def action_select_cursor(self) -> None:
         seq_id = self.cursor_id()
         if seq_id is not None:
