@@ -4,8 +4,8 @@ fallback to the reference when the kernel cannot be built.
 Tolerances, stated once:
 - float32 queries over a float32, int8 or fp8 cache: 2e-5 abs and rel (both accumulate in fp32;
   only the order of the sums differs; measured worst about 1.5e-6).
-- bfloat16 queries over a bfloat16 cache: 2e-2 abs and rel (the kernel accumulates in fp32 and
-  rounds once; the reference runs SDPA in bf16).
+- bfloat16 (float16) queries over a bfloat16 (float16) cache: 2e-2 abs and rel (the kernel
+  accumulates in fp32 and rounds once; the reference runs SDPA in the 16-bit dtype).
 """
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ def test_other_block_sizes(phase, block_size):
     torch.testing.assert_close(getattr(cpu, kernel)(*args), getattr(ref, kernel)(*args), **FP32_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_bf16_matches_reference(phase):
+def test_16_bit_matches_reference(phase, dtype):
     case, kernel = PHASES[phase]
-    args, _ = case("auto", 9, 3, 64, dtype=torch.bfloat16, seed=3)
+    args, _ = case("auto", 9, 3, 64, dtype=dtype, seed=3)
     out = getattr(cpu, kernel)(*args)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), getattr(ref, kernel)(*args).float(), **BF16_TOL)
 
 
