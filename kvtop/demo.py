@@ -5,6 +5,12 @@ On a terminal the dashboard takes the screen while the load runs in rounds behin
 `q` and the demo prints what the KV cache did. Without a terminal (or with `--no-dashboard`) a
 progress bar replaces the dashboard and the load runs once.
 
+The point is what bounds concurrency: the KV cache. So the cache is sized small on purpose
+(`DEMO_SERVE_ARGS`: 24 MiB, about 34 blocks of SmolLM2 in float32) against 12 clients: within the
+first minute blocks run short, requests wait, running ones are preempted and recomputed, the
+shared system prompt hits the prefix cache and finished requests' cached blocks are evicted. The
+summary says so in plain words, with the diagnosis (kvtop.diagnosis) seen while it ran.
+
 The load: the chats of `kvtop/data/demo_prompts.jsonl` (they share a system prompt, so the
 prefix cache has something to find) mixed with free-form completions; a third of them stream.
 While it runs, a progress bar shows requests done and the engine's own view from the control
@@ -25,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +56,9 @@ FREE_PROMPTS = [
     "Three facts about octopuses:",
 ]
 console = Console(stderr=True)
+# a KV cache that bounds concurrency (the product's point); `-- --kv-cache-memory 256MiB` to compare
+DEMO_SERVE_ARGS = ["--kv-cache-memory", "24MiB", "--max-num-seqs", "16", "--max-model-len", "512"]
+HISTORY_S = 6.0  # frames kept for the diagnosis's rates
 
 
 @dataclass
@@ -69,6 +80,40 @@ class Job:
     body: dict
     stream: bool = False
     results: list[Result] = field(default_factory=list)
+
+
+@dataclass
+class Watch:
+    """What the engine did while the load ran, from its stats frames: peaks and diagnoses."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    findings: dict[str, tuple[str, int]] = field(default_factory=dict)  # kind -> (latest line, polls seen)
+    history: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def see(self, f: dict) -> None:
+        from kvtop.diagnosis import diagnose
+
+        s, kv = f["scheduler"], f["kv"]
+        self.running, self.waiting = max(self.running, s["running"]), max(self.waiting, s["waiting"])
+        self.kv_usage = max(self.kv_usage, kv["usage"], kv.get("peak_usage", 0.0))
+        while self.history and self.history[0]["ts"] < f["ts"] - HISTORY_S:
+            self.history.popleft()
+        for line in diagnose(f, list(self.history)):
+            kind = line.split(":", 1)[1].split("—")[0].strip() if ":" in line else line
+            self.findings[kind] = (line, self.findings.get(kind, ("", 0))[1] + 1)
+        self.history.append(f)
+
+    async def follow(self, socket: Path, stop: Callable[[], bool], on_frame=None) -> None:
+        with EngineClient(socket) as c:
+            while not stop():
+                with contextlib.suppress(EngineUnavailable):
+                    f = await asyncio.to_thread(c.stats)
+                    self.see(f)
+                    if on_frame:
+                        on_frame(f)
+                await asyncio.sleep(0.25)
 
 
 def build_load(model: str, free: int, max_tokens: int, seed: int = 0) -> list[Job]:
@@ -132,10 +177,10 @@ async def run_job(http: httpx.AsyncClient, job: Job) -> Result:
     return res
 
 
-async def drive(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tuple[list[Result], float, dict]:
+async def drive(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tuple[list[Result], float, Watch]:
     limit = asyncio.Semaphore(concurrency)
     results: list[Result] = []
-    peak = {"kv_usage": 0.0, "running": 0, "waiting": 0}
+    watch = Watch()
     with Progress(
         TextColumn("[bold]load"),
         BarColumn(),
@@ -152,37 +197,31 @@ async def drive(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tu
             results.append(res)
             progress.update(task, advance=1, tokens=sum(r.completion_tokens for r in results))
 
-        async def watch() -> None:
-            with EngineClient(socket) as c:
-                while True:
-                    with contextlib.suppress(EngineUnavailable):
-                        f = await asyncio.to_thread(c.stats)
-                        s, kv = f["scheduler"], f["kv"]
-                        peak["kv_usage"] = max(peak["kv_usage"], kv["usage"])
-                        peak["running"] = max(peak["running"], s["running"])
-                        peak["waiting"] = max(peak["waiting"], s["waiting"])
-                        progress.update(task, engine=f"{s['running']} running, {s['waiting']} waiting, "
-                                                     f"KV {kv['usage'] * 100:.0f} % used, {kv['cached']} blocks cached")  # fmt: skip
-                    await asyncio.sleep(0.5)
+        def show(f: dict) -> None:
+            s, kv = f["scheduler"], f["kv"]
+            progress.update(task, engine=f"{s['running']} running, {s['waiting']} waiting, KV {kv['usage'] * 100:.0f} %"
+                                         f" held, {s['preemptions_total']} preempted")  # fmt: skip
 
         t0 = time.perf_counter()
+        done = False
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10)) as http:
-            watcher = asyncio.create_task(watch())
+            watcher = asyncio.create_task(watch.follow(socket, lambda: done, show))
             try:
                 await asyncio.gather(*(one(http, job) for job in jobs))
             finally:
-                watcher.cancel()
+                done = True
+                await watcher
         elapsed = time.perf_counter() - t0
-    return results, elapsed, peak
+    return results, elapsed, watch
 
 
-def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tuple[list[Result], float, dict]:
+def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) -> tuple[list[Result], float, Watch]:
     """Run the load in rounds in a thread while kvtop owns the terminal; stop when it quits."""
     import threading
 
     stop = threading.Event()
     results: list[Result] = []
-    peak = {"kv_usage": 0.0, "running": 0, "waiting": 0}
+    watch = Watch()
 
     async def rounds() -> None:
         limit = asyncio.Semaphore(concurrency)
@@ -193,19 +232,10 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
                     if not stop.is_set():
                         results.append(await run_job(http, job))
 
-            async def watch() -> None:
-                with EngineClient(socket) as c:
-                    while not stop.is_set():
-                        with contextlib.suppress(EngineUnavailable):
-                            f = await asyncio.to_thread(c.stats)
-                            peak["running"] = max(peak["running"], f["scheduler"]["running"])
-                            peak["waiting"] = max(peak["waiting"], f["scheduler"]["waiting"])
-                        await asyncio.sleep(0.5)
-
-            watcher = asyncio.create_task(watch())
+            watcher = asyncio.create_task(watch.follow(socket, stop.is_set))
             while not stop.is_set():
                 await asyncio.gather(*(one(job) for job in jobs))
-            watcher.cancel()
+            await watcher
 
     t0 = time.perf_counter()
     loader = threading.Thread(target=lambda: asyncio.run(rounds()), name="demo-load", daemon=True)
@@ -216,41 +246,43 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
         stop.set()
         console.print("dashboard closed; letting the requests in flight finish…")
         loader.join(timeout=120)
-    with contextlib.suppress(EngineUnavailable), EngineClient(socket) as c:
-        f = c.stats()
-        peak["kv_usage"] = f["kv"]["peak_usage"]
-    return results, time.perf_counter() - t0, peak
+    return results, time.perf_counter() - t0, watch
 
 
 def _pct(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
 
 
-def summary(results: list[Result], elapsed: float, peak: dict, frame: dict) -> Table:
+def summary(results: list[Result], elapsed: float, watch: Watch, frame: dict) -> Table:
+    """The run in plain words: what the requests got, and what the KV cache did to them."""
     ok = [r for r in results if r.error is None]
     reasons: dict[str, int] = {}
     for r in ok:
         reasons[r.finish_reason or "?"] = reasons.get(r.finish_reason or "?", 0) + 1
-    gen = sum(r.completion_tokens for r in ok)
-    prompt = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    e2es = [r.e2e for r in ok]
+    gen, prompt = sum(r.completion_tokens for r in ok), sum(r.prompt_tokens for r in ok)
+    ttfts, e2es = [r.ttft for r in ok if r.ttft is not None], [r.e2e for r in ok]
+    kv, sched, p = frame["kv"], frame["scheduler"], frame["prefix"]
+    peak = max(watch.kv_usage, kv["peak_usage"])
+    preempted = sched["preemptions_total"]
     t = Table(title="kvtop demo", show_header=False)
     t.add_row("requests", f"{len(ok)} ok ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))}), "
                           f"{len(results) - len(ok)} failed; {sum(r.streamed for r in ok)} streamed")  # fmt: skip
-    t.add_row("tokens", f"{prompt} prompt ({cached} served from the prefix cache), {gen} generated in {elapsed:.1f} s")
-    t.add_row("throughput", f"{gen / elapsed:.1f} generated tokens/s")
-    t.add_row("TTFT ms P50/P95 (streams)", f"{_pct(ttfts, 50)} / {_pct(ttfts, 95)}")
-    t.add_row("latency ms P50/P95", f"{_pct(e2es, 50)} / {_pct(e2es, 95)}")
-    p = frame["prefix"]
-    t.add_row(
-        "prefix cache",
-        f"{p['hit_rate'] * 100:.1f} % of prompt tokens hit, ≈{p['saved_prefill_s']:.2f} s of prefill saved",
-    )
-    t.add_row("KV cache", f"peak {max(peak['kv_usage'], frame['kv']['peak_usage']) * 100:.1f} % of "
-                          f"{frame['kv']['num_blocks']} blocks; {frame['scheduler']['preemptions_total']} preemptions")  # fmt: skip
-    t.add_row("concurrency", f"up to {peak['running']} running, {peak['waiting']} waiting")
+    t.add_row("tokens", f"{prompt} prompt, {gen} generated in {elapsed:.1f} s ({gen / elapsed:.1f} tokens/s)")
+    t.add_row("latency ms P50/P95", f"first token {_pct(ttfts, 50)} / {_pct(ttfts, 95)} (streams) · "
+                                    f"whole request {_pct(e2es, 50)} / {_pct(e2es, 95)}")  # fmt: skip
+    t.add_row("KV cache", f"peak {peak * 100:.0f} % of {kv['num_blocks']} blocks ({kv['num_blocks'] * kv['block_size']}"
+                          f" tokens)" + (": blocks ran short" if peak >= 0.95 else ""))  # fmt: skip
+    t.add_row("waiting", f"up to {watch.running} running at once and {watch.waiting} waiting for a slot or blocks")
+    t.add_row("preemptions", f"{preempted} (a running request's blocks taken back, its KV recomputed later)"
+              if preempted else "none: every running request kept its blocks")  # fmt: skip
+    t.add_row("prefix cache", f"{p['hit_rate'] * 100:.0f} % of prompt tokens hit ({p['hit_tokens']} of "
+                              f"{p['query_tokens']}, ≈{p['saved_prefill_s']:.1f} s of prefill saved); "
+                              f"{p.get('evictions', 0)} cached blocks evicted to make room")  # fmt: skip
+    seen = sorted(watch.findings.values(), key=lambda v: -v[1])
+    t.add_row("diagnosis (seen)", "\n".join(line for line, _ in seen) if seen else "nothing stood out")
+    if peak >= 0.95 and (preempted or watch.waiting):
+        t.add_row("so", "the KV cache, not compute, bounded concurrency: more --kv-cache-memory (see `kvctl plan`) "
+                        "or a quantized --kv-cache-dtype lets more requests run at once")  # fmt: skip
     errors = [r.error for r in results if r.error]
     if errors:
         t.add_row("first error", errors[0])
@@ -296,14 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--free", type=int, default=16, help="free-form completions besides the shared-prefix chats")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
                     help="open kvtop on the live engine (default: when stdout is a terminal)")  # fmt: skip
-    ap.add_argument("serve_args", nargs="*", help="more `kvctl serve` flags, after --")
+    ap.add_argument(
+        "serve_args", nargs="*", help=f"`kvctl serve` flags, after -- (default: {' '.join(DEMO_SERVE_ARGS)})"
+    )
     args = ap.parse_args(argv)
     dashboard = sys.stdout.isatty() and sys.stdin.isatty() if args.dashboard is None else args.dashboard
     tmp = Path(tempfile.mkdtemp(prefix="kvdemo", dir="/tmp"))
-    proc, socket, log = start_server(args.model, tmp, args.serve_args)
+    proc, socket, log = start_server(args.model, tmp, args.serve_args or DEMO_SERVE_ARGS)
     try:
         url = wait_ready(proc, socket, log)
         print(log.read_text().strip(), flush=True)
@@ -311,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         jobs = build_load(model, args.free, args.max_tokens)
         if dashboard:
-            results, elapsed, peak = with_dashboard(url, socket, jobs, args.concurrency)
+            results, elapsed, watch = with_dashboard(url, socket, jobs, args.concurrency)
         else:
-            results, elapsed, peak = asyncio.run(drive(url, socket, jobs, args.concurrency))
+            results, elapsed, watch = asyncio.run(drive(url, socket, jobs, args.concurrency))
         with EngineClient(socket) as c:
             frame = c.stats()
-        Console().print(summary(results, elapsed, peak, frame))
+        Console().print(summary(results, elapsed, watch, frame))
         failed = sum(r.error is not None for r in results)
     except KeyboardInterrupt:
         failed = 1
