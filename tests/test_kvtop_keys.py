@@ -8,7 +8,9 @@ send-keys, a paste, a fast typist on a slow link) — the case that drained a li
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from kvtop.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.widgets.sort_picker import SortScreen
 from tests.helpers import widget_text as text
 from tests.test_kvtop_live import SIZE, Engine, Load, busy, live_app, until
+from tests.test_kvtop_terminal import Terminal, base_env
 
 KEY_CHARS = {"slash": "/", "enter": "\r", "left_square_bracket": "[", "escape": "\x1b"}
 SNAPSHOTS = sorted((Path(__file__).resolve().parent.parent / "snapshots").glob("*.kvsnap"))
@@ -349,3 +352,51 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         await pilot.press("slash", "left_square_bracket", "slash", "x", "enter")
         await pilot.pause(0.2)
         assert order(app) == ["[/x]"] and app.is_running
+
+
+# ---- in a real terminal: the keys arrive as one read, as from tmux send-keys ------------------
+def wait_exit(term: Terminal, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(term.pid, os.WNOHANG)
+        if pid:
+            return status
+        try:
+            term.read_until("\x00", timeout=0.3)  # keep draining its output
+        except AssertionError:
+            pass
+    os.kill(term.pid, signal.SIGKILL)
+    os.waitpid(term.pid, 0)
+    raise AssertionError("kvtop did not exit")
+
+
+def test_terminal_type_ahead_does_not_drain_and_ctrl_c_quits(server: Engine):
+    term = Terminal(["--socket", str(server.socket), "--interval", "0.2"], base_env(TERM="xterm-256color"))
+    term.read_until("● live")
+    term.press("/5d0\r")  # one write: kvtop reads all five keys at once
+    term.read_until("filter: 5d0")
+    term.press("d")  # after enter, d is a key again: the drain dialog, which starts on Cancel
+    term.read_until("Drain the engine?")
+    term.press("\r")  # enter on Cancel
+    time.sleep(1.0)
+    assert engine_state(server) == "running"
+    term.press("\x03")  # ctrl+c
+    status = wait_exit(term)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"exit status {status}"
+    assert b"Traceback" not in term.output
+    os.close(term.fd)
+
+
+def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
+    path = markup_snapshot(tmp_path)
+    term = Terminal(["--replay", str(path)], base_env(TERM="xterm-256color"), size=(160, 48))
+    term.read_until("Block map")
+    term.press("G")
+    term.read_until("[/x]")
+    term.press("/[/\r")
+    term.read_until("filter: [/")
+    term.press("\x1b[21~")  # F10
+    status = wait_exit(term)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"exit status {status}"
+    assert b"Traceback" not in term.output and b"MarkupError" not in term.output
+    os.close(term.fd)
