@@ -186,6 +186,7 @@ class LazyFrames(Sequence):
         self.max_frames, self.max_bytes = max_frames, max_bytes
         self._cache: OrderedDict[int, tuple[dict | FrameError, int]] = OrderedDict()
         self._bytes = 0
+        self._pinned: tuple[int, tuple[dict | FrameError, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -194,7 +195,9 @@ class LazyFrames(Sequence):
         if isinstance(i, slice):
             return self.window(*i.indices(len(self))[:2], budget=None)
         i = range(len(self))[i]  # negative indices; IndexError past the end
-        got, _ = self._get(i)
+        hit = self._pinned if self._pinned is not None and self._pinned[0] == i else (i, self._get(i))
+        self._pinned = hit  # the frame on screen stays parsed, however big, whatever a window reads
+        got = hit[1][0]
         if isinstance(got, FrameError):
             raise got
         return got
@@ -216,6 +219,8 @@ class LazyFrames(Sequence):
         return out
 
     def _get(self, i: int) -> tuple[dict | FrameError, int]:
+        if self._pinned is not None and self._pinned[0] == i:
+            return self._pinned[1]
         hit = self._cache.get(i)
         if hit is not None:
             self._cache.move_to_end(i)

@@ -275,3 +275,26 @@ def test_lazy_frames_keep_a_bounded_cache(big_snapshot: Path):
         assert source.end()["engine"]["step"] == BIG_FRAMES - 1
     finally:
         source.close()
+
+
+@pytest.mark.anyio
+async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path):
+    from kvtop.app import KvtopApp
+    from kvtop.sources import ReplaySource
+    from kvtop.widgets.sequences import MAX_ROWS, SequencesPanel, SequencesTable
+
+    path = tmp_path / "crowd.kvsnap"
+    crowd = _first_frame()
+    crowd["sequences"] = [{**SEQ, "id": f"cmpl-{i:024x}-0", "output_tokens": i} for i in range(100_000)]
+    _frame(100, json.dumps(crowd))(path)  # the snapshot's moment
+    source = ReplaySource.open(path)
+    async with KvtopApp(source).run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        await pilot.press("G")
+        await pilot.pause()
+        assert source.index == 99 and source.error is None
+        panel = pilot.app.query_one(SequencesPanel)
+        assert pilot.app.query_one(SequencesTable).row_count == MAX_ROWS
+        assert f"first {MAX_ROWS:,} of 100,000; … and {100_000 - MAX_ROWS:,} more" in str(panel.border_title)
+        await pilot.press("left", "right")  # away and back: still a window
+        assert pilot.app.query_one(SequencesTable).row_count == MAX_ROWS

@@ -23,6 +23,7 @@ from kvtop.widgets import fmt
 from kvtop.widgets.view import SORT_COLUMNS, View
 
 ID_WIDTH = 12
+MAX_ROWS = 500  # rows drawn, in the chosen order; the title says how many more there are
 
 
 def short_id(seq_id: str, width: int = ID_WIDTH) -> str:
@@ -107,7 +108,8 @@ class SequencesPanel(Vertical):
         self.view = view
         st = view.state
         all_seqs = view.frame.get("sequences", [])
-        rows = visible(all_seqs, st.filter, st.sort, st.sort_reverse)
+        matching = visible(all_seqs, st.filter, st.sort, st.sort_reverse)
+        rows = matching[:MAX_ROWS]  # a table of 100,000 rows takes minutes to build: the top ones
         table = self.table
         scroll_y = table.scroll_y
         id_width = min(40, max(ID_WIDTH, self.size.width - 78))  # wide panels show whole ids
@@ -136,6 +138,8 @@ class SequencesPanel(Vertical):
             self.post_message(SequenceSelected(ids[min(max(table.cursor_row, 0), len(ids) - 1)]))
         arrow = "↓" if st.sort_reverse else "↑"
         shown = f"{len(rows)}" if len(rows) == len(all_seqs) else f"{len(rows)} of {len(all_seqs)}"
+        if len(rows) < len(matching):
+            shown = f"first {len(rows):,} of {len(matching):,}; … and {len(matching) - len(rows):,} more, / filters"
         self.border_title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
         self.border_subtitle = Content(f"filter: {st.filter}") if st.filter else ""
 
