@@ -90,11 +90,9 @@ async def read_request(
 ):
     """The body, bounded in size and time (bodies.py), parsed and validated into `model`."""
     raw = await read_body(request, limit, timeout)
-    if len(raw) > PARSE_INLINE_BYTES:
-        body = await anyio.to_thread.run_sync(parse_json_body, raw)
-    else:
-        body = parse_json_body(raw)
-    return validate(model, body)
+    if len(raw) > PARSE_INLINE_BYTES:  # megabytes of JSON take a while to parse, walk and validate
+        return await anyio.to_thread.run_sync(lambda: validate(model, parse_json_body(raw)))
+    return validate(model, parse_json_body(raw))
 
 
 # ---- streaming that notices a client leaving --------------------------------------------
@@ -211,7 +209,7 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
     def check_model(model: str) -> None:
         if model != served:
             raise APIError(
-                404, f"model {model!r} is not served here; this server serves {served!r}", param="model",
+                404, f"model {model[:200]!r} is not served here; this server serves {served!r}", param="model",
                 code="model_not_found",
             )  # fmt: skip
 
