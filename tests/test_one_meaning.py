@@ -123,6 +123,7 @@ async def test_free_cached_used_shared_agree_on_every_surface(server):
     assert kv["usage"] == pytest.approx(5 / 32)  # held by requests: used + shared
     assert _counts(status_json["kv"]) == expected
     assert _status_text_counts(status_text) == expected
+    assert re.search(r"diagnosis\s+nothing stands out", status_text)  # 2 running, none waiting: not KV-bound
     assert _metrics_counts(metrics) == expected
     assert _panel_counts(panel) == expected
     assert f"total       {kv['num_blocks']}" in panel
