@@ -27,7 +27,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input
 
 from kvtop.actions import OperatorActions, SequenceActions
-from kvtop.keys import LIVE_ACTIONS, LIVE_KEYS, REPLAY_ACTIONS, REPLAY_KEYS, VIEW_KEYS
+from kvtop.keys import DASHBOARD_ACTIONS, LIVE_ACTIONS, LIVE_KEYS, REPLAY_ACTIONS, REPLAY_KEYS, VIEW_KEYS
 from kvtop.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
 from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
 from kvtop.widgets import fmt
@@ -210,6 +210,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
     @property
     def typing(self) -> bool:
         """A dialog or a text box (the filter) has the keyboard: its keys are not the app's."""
+        if not self.screen_stack:  # shutting down: the footer may still ask, no key can come
+            return True
         return isinstance(self.screen, ModalScreen) or isinstance(self.focused, Input)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -219,9 +221,9 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
             return False
         if action in REPLAY_ACTIONS and self.replay is None:
             return False
-        # no app key fires while typing: `/5d0⏎` is filter text, and a priority key (`/`, ←/→)
-        # must not steal a dialog's or the filter box's keys
-        return not self.typing
+        # no dashboard key fires while typing: `/5d0⏎` is filter text, and a priority key (`/`,
+        # ←/→) must not steal a dialog's or the filter box's keys (tab still moves the focus)
+        return action not in DASHBOARD_ACTIONS or not self.typing
 
     def action_help(self) -> None:
         view_keys = [b for b in VIEW_KEYS if not b.action.startswith("tab(")]

@@ -61,3 +61,5 @@ REPLAY_KEYS = [
 ]
 LIVE_ACTIONS = {b.action for b in LIVE_KEYS}
 REPLAY_ACTIONS = {b.action.split("(")[0] for b in REPLAY_KEYS}
+# the dashboard's own actions (not Textual's, such as tab's focus_next, which dialogs need)
+DASHBOARD_ACTIONS = {b.action.split("(")[0] for b in [*VIEW_KEYS, *LIVE_KEYS, *REPLAY_KEYS]}

@@ -155,7 +155,10 @@ async def test_drain_dialog_has_kvctl_drain_defaults_and_y_drains(server: Engine
         dialog.set_focus(dialog.query_one("#drain-timeout", Input))
         await pilot.press("1", "2", "0", "enter")  # enter in the field moves on, it does not drain
         assert app.screen is dialog and engine_state(server) == "running"
+        assert isinstance(app.focused, Checkbox)  # moved on to the abort box
         dialog.query_one("#drain-timeout", Input).value = ""
+        await pilot.press("tab")  # tab moves on in a dialog too
+        assert isinstance(app.focused, Button) and app.focused.id == "yes"
         await pilot.press("y")
         assert app.screen is app.base
 
@@ -173,11 +176,13 @@ async def test_drain_dialog_has_kvctl_drain_defaults_and_y_drains(server: Engine
 
 
 @pytest.mark.anyio
-async def test_y_evicts_the_prefix_cache(server: Engine):
+async def test_enter_on_the_confirm_button_evicts_the_prefix_cache(server: Engine):
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
         await busy(pilot, app)
-        await pilot.press("E", "y", "space")
+        await pilot.press("E", "shift+tab")  # from Cancel back to the confirm button: enter confirms
+        assert isinstance(app.screen, ConfirmScreen) and app.focused.id == "yes"
+        await pilot.press("enter", "space")
 
         def evicted() -> bool:
             return any(e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.source.events())

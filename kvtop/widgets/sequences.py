@@ -67,7 +67,8 @@ class SequencesTable(DataTable):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "select_cursor", "Details")]
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        return self.screen is self.app.screen  # under a dialog, the keys (and the footer) are the dialog's
+        stack = self.app.screen_stack  # empty while shutting down
+        return bool(stack) and stack[-1] is self.screen  # under a dialog, the keys (and footer) are its
 
     def action_select_cursor(self) -> None:
         seq_id = self.cursor_id()
