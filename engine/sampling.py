@@ -49,7 +49,8 @@ class SamplingParams:
         _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
         _check_float("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check_float("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
+        # within [0.01, 100]: dividing by 1e-300 would turn a seen token's logit into inf
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: 0.01 <= v <= 100, "in [0.01, 100]")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, "between 0 and 20", high=20)
         if self.seed is not None:

@@ -99,7 +99,8 @@ def test_a_huge_top_k_is_a_400_and_a_greedy_stream_beside_it_completes_intact(se
     "field,value",
     [("top_k", -2), ("n", 2**63), ("max_tokens", 2**63), ("max_tokens", -1), ("seed", 2**64), ("seed", -(2**63) - 1),
      ("logprobs", 2**63), ("temperature", 1e308), ("top_p", -0.5), ("min_p", 1.5), ("min_tokens", -1),
-     ("min_tokens", 2**63), ("repetition_penalty", 0), ("repetition_penalty", 1e300), ("presence_penalty", 1e300),
+     ("min_tokens", 2**63), ("repetition_penalty", 0), ("repetition_penalty", 1e-300),
+     ("repetition_penalty", 1e300), ("presence_penalty", 1e300),
      ("frequency_penalty", -3), ("best_of", 2**63), ("stop_token_ids", [2**63])],
 )  # fmt: skip
 def test_every_numeric_field_out_of_range_is_a_400_naming_it(server, field, value):

@@ -121,8 +121,9 @@ def test_top_k_beyond_the_vocabulary_is_no_top_k():
 @pytest.mark.parametrize(
     "kw",
     [{"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}, {"top_k": 2**63},
-     {"top_k": True}, {"min_p": 1.5}, {"min_tokens": -1}, {"repetition_penalty": 0.0}, {"max_tokens": 2**63},
-     {"seed": 2**64}, {"stop_token_ids": [-1]}, {"logprobs": 21}],
+     {"top_k": True}, {"min_p": 1.5}, {"min_tokens": -1}, {"repetition_penalty": 0.0},
+     {"repetition_penalty": 1e-300}, {"max_tokens": 2**63}, {"seed": 2**64}, {"stop_token_ids": [-1]},
+     {"logprobs": 21}],
 )  # fmt: skip
 def test_impossible_sampling_params_are_refused(kw):
     from engine.errors import InvalidRequestError

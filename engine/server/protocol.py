@@ -151,7 +151,7 @@ class _SamplingRequest(_Strict):
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)  # vLLM's extension; over the vocabulary: no top-k
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
     min_tokens: int = Field(0, ge=0, le=MAX_INT)  # vLLM's: EOS and stop tokens are not sampled before this
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM's (CTRL's): 1 is off
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)  # vLLM's (CTRL's): 1 is off
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
