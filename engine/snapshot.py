@@ -96,8 +96,8 @@ def check_target(path: str | os.PathLike, *, force: bool = False) -> Path:
         raise SnapshotError(f"the snapshot path is {size} bytes long, over {MAX_PATH_BYTES}")
     target = Path(text).expanduser().absolute()
     st = _lstat(target)
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        _check_dir(target)
+    if st is not None and (stat.S_ISDIR(st.st_mode) or (stat.S_ISLNK(st.st_mode) and target.is_dir())):
+        _check_dir(target)  # a directory (or a link to one): a fresh name in it, nothing replaced
         return target
     _check_dir(target.parent)
     if st is not None:

@@ -122,18 +122,21 @@ def test_kvctl_snapshot_never_replaces_without_force(server, out):
     link.symlink_to(target)
     fifo = out / "fifo.kvsnap"
     os.mkfifo(fifo)
+    dangling = out / "dangling.kvsnap"
+    dangling.symlink_to(out / "made-through-a-link")
     sock = ["--socket", str(server.socket)]
 
     proc = kvctl("snapshot", "-o", str(existing), *sock)
     assert proc.returncode == 1 and "already exists" in proc.stderr and "--force" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and existing.read_text() == "yesterday's incident"
 
-    for path, words in ((link, "symbolic link"), (fifo, "fifo")):  # not even with --force
+    for path, words in ((link, "symbolic link"), (dangling, "symbolic link"), (fifo, "fifo")):  # nor with --force
         for force in ([], ["--force"]):
             proc = kvctl("snapshot", "-o", str(path), *force, *sock)
             assert proc.returncode == 1 and words in proc.stderr, proc.stderr
             assert "Traceback" not in proc.stderr
     assert link.is_symlink() and target.read_text() == "not yours"
+    assert dangling.is_symlink() and not (out / "made-through-a-link").exists()
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
     if os.geteuid() == 0:  # as root, `-o /dev/null --force` would have replaced /dev/null
@@ -152,9 +155,13 @@ def test_kvctl_snapshot_never_creates_directories(server, out):
     assert proc.returncode == 1 and "does not exist" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (out / "a").exists()
-    # a directory that exists: a fresh name in it
+    # a directory that exists, or a link to one: a fresh name in it
     proc = kvctl("snapshot", "-o", str(out), "--socket", str(server.socket))
     assert proc.returncode == 0 and Path(proc.stdout.strip()).parent == out
+    (out / "dir-link").symlink_to(out)
+    proc = kvctl("snapshot", "-o", str(out / "dir-link"), "--socket", str(server.socket))
+    assert proc.returncode == 0 and Path(proc.stdout.strip()).parent == out / "dir-link"
+    assert (out / "dir-link").is_symlink() and len(list(out.glob("*.kvsnap"))) == 2
 
 
 def test_kvctl_snapshot_with_a_non_utf8_name_is_one_line(server, out):
