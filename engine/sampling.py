@@ -85,28 +85,30 @@ def sample(
     """Pick one token per row of `logits` [n, vocab]; returns tokens and (if any row asks) log-probs.
 
     `token_ids` (each row's prompt and output so far) and `num_outputs` feed repetition_penalty
-    and min_tokens; log-probs are those of the model, before any processor."""
+    and min_tokens; log-probs are those of the model, before any processor. Every tensor made
+    here lives on the logits' device; the noise is drawn on the CPU generators (so seeds give the
+    same tokens on any device) and moved there."""
     logits = logits.float()
-    n = logits.shape[0]
+    n, dev = logits.shape[0], logits.device
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs_full = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = apply_processors(logits, params, token_ids, num_outputs, eos_token_ids)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    tokens = torch.empty(n, dtype=torch.long)
+    tokens = torch.empty(n, dtype=torch.long, device=dev)
     if greedy_rows:
-        idx = torch.tensor(greedy_rows)
+        idx = torch.tensor(greedy_rows, device=dev)
         tokens[idx] = logits[idx].argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows)
+        idx = torch.tensor(random_rows, device=dev)
         sub = logits[idx]
-        temps = torch.tensor([params[i].temperature for i in random_rows]).unsqueeze(1)
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=dev).unsqueeze(1)
         sub = sub / temps
         rows = [params[i] for i in random_rows]
         sub = _apply_top_k_top_p(sub, [p.top_k for p in rows], [p.top_p for p in rows])
         sub = _apply_min_p(sub, [p.min_p for p in rows])
         probs = torch.softmax(sub, dim=-1)
-        noise = torch.empty_like(probs)
+        noise = torch.empty(probs.shape)
         # seeded requests draw from their own generator (reproducible whatever the batch); the
         # rest share the engine's, in one call
         shared = [row for row, i in enumerate(random_rows) if params[i].seed is None]
@@ -117,7 +119,7 @@ def sample(
         for row, i in enumerate(random_rows):
             if params[i].seed is not None:
                 noise[row].exponential_(generator=generators[i])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = (probs / noise.to(dev)).argmax(dim=-1)
     token_list = tokens.tolist()
     lp = None
     if logprobs_full is not None:
@@ -134,16 +136,17 @@ def apply_processors(
 ) -> torch.Tensor:
     """repetition_penalty and min_tokens, each over the rows that ask for it (a new tensor when
     any does; the caller's logits are never changed in place)."""
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
     original = logits
     penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if penalized and token_ids is not None:
         logits = logits.clone()
-        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool)
-        rows = torch.cat([torch.full((len(token_ids[i]),), r, dtype=torch.long) for r, i in enumerate(penalized)])
-        cols = torch.cat([torch.as_tensor(list(token_ids[i]), dtype=torch.long) for i in penalized])
-        seen[rows, cols.clamp(0, vocab - 1)] = True
-        penalty = torch.tensor([params[i].repetition_penalty for i in penalized]).unsqueeze(1)
+        lengths = torch.tensor([len(token_ids[i]) for i in penalized])
+        rows = torch.repeat_interleave(torch.arange(len(penalized)), lengths)
+        cols = torch.cat([torch.as_tensor(token_ids[i], dtype=torch.long) for i in penalized]).clamp_(0, vocab - 1)
+        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool, device=dev)
+        seen[rows.to(dev), cols.to(dev)] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in penalized], device=dev).unsqueeze(1)
         sub = logits[penalized]
         logits[penalized] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if num_outputs is not None:
@@ -155,7 +158,7 @@ def apply_processors(
             cols_l += sorted(banned)
         if rows_l:
             logits = logits.clone() if logits is original else logits
-            logits[torch.tensor(rows_l), torch.tensor(cols_l)] = float("-inf")
+            logits[torch.tensor(rows_l, device=dev), torch.tensor(cols_l, device=dev)] = float("-inf")
     return logits
 
 
@@ -165,12 +168,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         return logits
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     # clamp in Python: a top_k past int64 must not reach torch.tensor
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
-    positions = torch.arange(vocab).unsqueeze(0)
+    dev = logits.device
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev).unsqueeze(1)
+    positions = torch.arange(vocab, device=dev).unsqueeze(0)
     mask = positions >= ks
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     cum = probs.cumsum(dim=-1)
-    ps = torch.tensor(top_p, dtype=torch.float64).unsqueeze(1)
+    ps = torch.tensor(top_p, dtype=torch.float64, device=dev).unsqueeze(1)
     # keep a token when the mass before it is below top_p; the first token is always kept (a
     # top_p of 1e-300 is 0 in float32 and would otherwise mask every token)
     mask |= (cum - probs) >= ps
@@ -185,5 +189,5 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits, dim=-1)
     top = probs.max(dim=-1, keepdim=True).values
-    threshold = top * torch.tensor(min_p).unsqueeze(1)
+    threshold = top * torch.tensor(min_p, device=logits.device).unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
