@@ -202,6 +202,13 @@ class LazyFrames(Sequence):
             raise got
         return got
 
+    def sized(self, i: int) -> tuple[dict, int]:
+        """The i-th frame (FrameError if it is not a stats frame) and the size of its JSON."""
+        got, size = self._get(i)
+        if isinstance(got, FrameError):
+            raise got
+        return got, size
+
     def window(self, lo: int, hi: int, budget: int | None = None, most: int | None = None) -> list[dict]:
         """The good frames in [lo, hi), oldest first: read newest first until `budget` bytes of
         JSON; past `most` frames, the newer half of `most` stay dense and the older ones are

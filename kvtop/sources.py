@@ -33,7 +33,7 @@ BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: fi
 EVENTS_KEPT = 2000
 PREFILL_S = 120.0  # on connecting, frames this far back are taken from the engine's /v1/history
 HISTORY_BYTES, HISTORY_FRAMES = 16 * 1024**2, 400  # replay: what sparklines read back at most (then thinned)
-CHECK_AT_OPEN = 32  # replay: frames checked before the dashboard starts; the rest when shown
+CHECK_AT_OPEN, CHECK_BYTES_AT_OPEN = 32, 8 * 1024**2  # replay: frames checked before the dashboard starts
 
 
 class SourceUnavailable(Exception):
@@ -272,9 +272,13 @@ class ReplaySource(FrameSource):
         of its first frames is not a stats frame; frames further on are checked when shown."""
         reader = SnapshotReader(path)
         try:
-            for i in range(min(len(reader), CHECK_AT_OPEN)):
-                reader.frame(i)
-            return cls(reader, clock)
+            source = cls(reader, clock)
+            spent = 0
+            for i in range(1, min(len(reader), CHECK_AT_OPEN)):  # the first is read by __init__
+                spent += source.frames.sized(i)[1]  # type: ignore[attr-defined]
+                if spent > CHECK_BYTES_AT_OPEN:  # frames of 100,000 sequences: the UI comes first
+                    break
+            return source
         except BaseException:
             reader.close()
             raise
