@@ -8,6 +8,7 @@ send-keys, a paste, a fast typist on a slow link) — the case that drained a li
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -53,6 +54,14 @@ def burst(app: KvtopApp, *keys: str) -> None:
         event = events.Key(key, KEY_CHARS.get(key, key if len(key) == 1 else None))
         event.set_sender(app)
         app._driver.send_message(event)
+
+
+async def stopped(app: KvtopApp, timeout: float = 10.0) -> bool:
+    """Whether the app stops within `timeout` (a generous bound: it proves only "it quits")."""
+    deadline = time.monotonic() + timeout
+    while app.is_running and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return not app.is_running
 
 
 def engine_state(server: Engine) -> str:
@@ -123,10 +132,9 @@ async def test_destructive_dialogs_start_on_cancel_and_enter_does_nothing(server
             assert isinstance(app.focused, Button) and app.focused.id == "no", f"{key}: focus on {app.focused}"
             await pilot.press("enter")  # on Cancel: the dialog closes, nothing happens
             assert app.screen is app.base, key
-        burst(app, "d", "enter")  # enter typed before the dialog is even drawn
-        burst(app, "e", "enter")
+        burst(app, "d", "enter", "e", "enter")  # enter typed before each dialog is even drawn
         await pilot.pause(1.0)
-        assert app.screen is app.base
+        await until(pilot, lambda: app.screen is app.base, "enter on Cancel to close each dialog")
         with server.client() as c:
             frame = c.stats()
             assert frame["engine"]["state"] == "running"
@@ -198,8 +206,7 @@ async def test_quit_keys_end_the_app(server: Engine, key: str):
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.source.current is not None, "a frame")
         await pilot.press(key)
-        await pilot.pause(0.2)
-        assert not app.is_running, f"{key} did not quit"
+        assert await stopped(app), f"{key} did not quit"
 
 
 @pytest.mark.anyio
@@ -211,16 +218,14 @@ async def test_ctrl_c_and_f10_quit_from_the_filter_and_dialogs(server: Engine, k
         await pilot.press("slash")
         assert isinstance(app.focused, Input)
         await pilot.press(key)  # the Input's own ctrl+c (copy) must not win
-        await pilot.pause(0.2)
-        assert not app.is_running
+        assert await stopped(app)
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.source.current is not None, "a frame")
         await pilot.press("d")
         assert isinstance(app.screen, DrainScreen)
         await pilot.press(key)
-        await pilot.pause(0.2)
-        assert not app.is_running
+        assert await stopped(app)
     assert engine_state(server) == "running"
 
 
