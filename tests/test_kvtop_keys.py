@@ -362,6 +362,11 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         await pilot.press("slash", "left_square_bracket", "slash", "x", "enter")
         await pilot.pause(0.2)
         assert order(app) == ["[/x]"] and app.is_running
+        await pilot.press("t", "left_square_bracket", "slash", "enter")  # jump to "[/": refused, quoted
+        await pilot.pause(0.2)
+        assert "cannot read '[/' as a time" in text(app.screen.query_one("#jump-error"))
+        await pilot.press("escape")
+        assert app.screen is app.base and app.is_running
 
 
 # ---- in a real terminal: the keys arrive as one read, as from tmux send-keys ------------------

@@ -7,6 +7,7 @@ from typing import ClassVar
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
@@ -39,7 +40,7 @@ class JumpScreen(ModalScreen[float | None]):
         try:
             self.dismiss(parse_offset(event.value, self.length_s))
         except ValueError as exc:
-            self.query_one("#jump-error", Static).update(str(exc))
+            self.query_one("#jump-error", Static).update(Content(str(exc)))  # it quotes what was typed
 
     def action_cancel(self) -> None:
         self.dismiss(None)
