@@ -146,6 +146,22 @@ def kv_budget(weights: int, kv_cache_memory: int | None, memory: int | None, uti
     return kv_cache_memory
 
 
+def _kv_option(spec, kvd: str, torch_dtype, kv_memory: int, block_size: int, contexts: list[int]) -> KVOption:
+    """One KV dtype's row: the engine's own bytes per token and block count for this budget."""
+    from engine.kv.cache import bytes_per_token, num_blocks_for
+
+    bpt = bytes_per_token(spec, kvd, torch_dtype)
+    blocks = num_blocks_for(kv_memory, bpt, block_size)
+    return KVOption(
+        kv_cache_dtype=kvd,
+        bytes_per_token=bpt,
+        mha_bytes_per_token=bytes_per_token(replace(spec, num_kv_heads=spec.num_heads), kvd, torch_dtype),
+        num_blocks=blocks,
+        capacity_tokens=blocks * block_size,
+        max_seqs={c: blocks // -(-c // block_size) for c in contexts},
+    )
+
+
 def plan(
     model: str,
     dtype: str = "bfloat16",
@@ -161,7 +177,6 @@ def plan(
     where the weights or the budget do not fit."""
     import torch
 
-    from engine.kv.cache import bytes_per_token, num_blocks_for
     from engine.llm_engine import TORCH_DTYPES  # the engine's own name -> dtype map
 
     spec, _ = spec_for(model)
@@ -170,21 +185,7 @@ def plan(
     weights = params * torch.empty((), dtype=torch_dtype).element_size()
     kv_memory = kv_budget(weights, kv_cache_memory, memory, gpu_memory_utilization)
     contexts = contexts or [spec.max_position_embeddings]
-    mha = replace(spec, num_kv_heads=spec.num_heads)
-    options = []
-    for kvd in kv_dtypes:
-        bpt = bytes_per_token(spec, kvd, torch_dtype)
-        blocks = num_blocks_for(kv_memory, bpt, block_size)
-        options.append(
-            KVOption(
-                kv_cache_dtype=kvd,
-                bytes_per_token=bpt,
-                mha_bytes_per_token=bytes_per_token(mha, kvd, torch_dtype),
-                num_blocks=blocks,
-                capacity_tokens=blocks * block_size,
-                max_seqs={c: blocks // -(-c // block_size) for c in contexts},
-            )
-        )
+    options = [_kv_option(spec, kvd, torch_dtype, kv_memory, block_size, contexts) for kvd in kv_dtypes]
     if max(o.num_blocks for o in options) == 0:
         raise PlanError(
             f"{format_bytes(kv_memory)} for KV holds not one block of {block_size} tokens "
