@@ -107,7 +107,7 @@ def _uvicorn_config(app, log_level: str, config: ServerConfig | None = None) -> 
         http=protocol,
         timeout_keep_alive=5,  # an idle keep-alive connection is closed after this many seconds
         limit_concurrency=config.max_connections,  # beyond it, new requests get 503
-        h11_max_incomplete_event_size=16 * 1024,  # request line + headers; more is a 400
+        h11_max_incomplete_event_size=16 * 1024,  # an unfinished request head bigger than this is a 400
     )
 
 
