@@ -23,13 +23,8 @@ def build_frame(engine: LLMEngine) -> dict:
     bm = engine.block_manager
     kv = engine.kv
     sched = engine.scheduler
-    blocks = bm.block_states()
-    device_blocks = blocks[: kv.num_blocks]
-    counts = block_counts(device_blocks)
-    held = counts["used"] + counts["shared"]  # blocks held by requests: vLLM's kv_cache_usage_perc
     m = engine.metrics
-    # the peak is never below what this frame shows (it is also sampled after every schedule)
-    m.peak_kv_usage = max(m.peak_kv_usage, held / kv.num_blocks)
+    kv_section = _kv(engine)
     p = bm.prefix
     spt = m.prefill_seconds_per_token()
     sequences = [
@@ -48,21 +43,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "step": engine.step_count,
             "max_model_len": engine.max_model_len,
         },
-        "kv": {
-            "block_size": kv.block_size,
-            "num_blocks": kv.num_blocks,
-            **counts,
-            "allocatable": counts["free"] + counts["cached"],
-            "offloaded": blocks.count("o"),
-            "usage": held / kv.num_blocks,
-            "peak_usage": m.peak_kv_usage,
-            "bytes_per_token": kv.bytes_per_token,
-            "total_bytes": kv.total_bytes,
-            "used_bytes": held * kv.block_size * kv.bytes_per_token,
-            "dtype": kv.kv_cache_dtype,
-            "blocks": blocks,
-            "cpu": _cpu_tier(bm.cpu, len(sched.swapped)),
-        },
+        "kv": kv_section,
         "sequences": sequences,
         "scheduler": {
             "running": len(sched.running),
@@ -84,7 +65,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
             "evictions": p.evictions,
             "restored_blocks": p.restored_blocks,
-            "cached_blocks": counts["cached"],
+            "cached_blocks": kv_section["cached"],
         },
         "latency": {
             "ttft": m.ttft.summary(now),
@@ -102,6 +83,31 @@ def build_frame(engine: LLMEngine) -> dict:
         },
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
+    }
+
+
+def _kv(engine: LLMEngine) -> dict:
+    """The frame's `kv`: block counts by map character, usage and its peak, sizes, the map."""
+    kv, bm, m = engine.kv, engine.block_manager, engine.metrics
+    blocks = bm.block_states()
+    counts = block_counts(blocks[: kv.num_blocks])
+    held = counts["used"] + counts["shared"]  # blocks held by requests: vLLM's kv_cache_usage_perc
+    # the peak is never below what this frame shows (it is also sampled after every schedule)
+    m.peak_kv_usage = max(m.peak_kv_usage, held / kv.num_blocks)
+    return {
+        "block_size": kv.block_size,
+        "num_blocks": kv.num_blocks,
+        **counts,
+        "allocatable": counts["free"] + counts["cached"],
+        "offloaded": blocks.count("o"),
+        "usage": held / kv.num_blocks,
+        "peak_usage": m.peak_kv_usage,
+        "bytes_per_token": kv.bytes_per_token,
+        "total_bytes": kv.total_bytes,
+        "used_bytes": held * kv.block_size * kv.bytes_per_token,
+        "dtype": kv.kv_cache_dtype,
+        "blocks": blocks,
+        "cpu": _cpu_tier(bm.cpu, len(engine.scheduler.swapped)),
     }
 
 
