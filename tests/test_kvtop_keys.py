@@ -9,6 +9,7 @@ send-keys, a paste, a fast typist on a slow link) — the case that drained a li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -88,18 +89,16 @@ async def test_keys_typed_after_slash_go_to_the_filter_never_to_an_action(server
         burst(app, "slash", "x", "d")  # the tmux send-keys "/xd" of the issue
         await until(pilot, lambda: len(app.state.filter) == 2 or app.screen is not app.base, "the keys")
         await pilot.pause(0.2)
-        assert app.state.filter == "xd"
-        assert not isinstance(app.screen, DrainScreen)
+        assert app.state.filter == "xd" and not isinstance(app.screen, DrainScreen)
         await pilot.press("escape")
 
         await pilot.press("slash", "5", "d", "0", "enter")  # enter only closes the filter
-        assert app.state.filter == "5d0" and app.screen is app.base
-        assert isinstance(app.focused, SequencesTable)
+        assert app.state.filter == "5d0" and app.screen is app.base and isinstance(app.focused, SequencesTable)
         await pilot.press("slash", "escape")
 
         burst(app, "slash", "5", "d", "0", "enter")  # the burst that drained a live engine
-        await until(pilot, lambda: isinstance(app.focused, SequencesTable) or app.screen is not app.base, "enter")
-        await pilot.pause(0.5)
+        await until(pilot, lambda: app.state.filter == "5d0" and isinstance(app.focused, SequencesTable), "enter")
+        await pilot.pause(0.5)  # and anything that would come after it
         assert app.state.filter == "5d0" and app.screen is app.base
         assert engine_state(server) == "running"
 
@@ -112,8 +111,7 @@ async def test_tabs_layout_slash_types_into_the_filter_too(server: Engine):
         burst(app, "slash", "q", "d", "enter")  # q and d are keys, but not after /
         await until(pilot, lambda: not app.is_running or isinstance(app.focused, SequencesTable), "enter")
         await pilot.pause(0.5)
-        assert app.is_running and app.screen is app.base
-        assert app.state.filter == "qd"
+        assert app.is_running and app.screen is app.base and app.state.filter == "qd"
         assert "filter: qd" in str(app.query_one(SequencesPanel).border_subtitle)
         assert engine_state(server) == "running"
 
@@ -124,8 +122,7 @@ async def test_destructive_dialogs_start_on_cancel_and_enter_does_nothing(server
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
         await busy(pilot, app)
-        victim = app.state.selected_seq
-        assert victim
+        assert (victim := app.state.selected_seq)
         for key, screen in (("d", DrainScreen), ("e", ConfirmScreen), ("E", ConfirmScreen)):
             await pilot.press(key)
             assert isinstance(app.screen, screen), key
@@ -212,20 +209,14 @@ async def test_quit_keys_end_the_app(server: Engine, key: str):
 @pytest.mark.anyio
 @pytest.mark.parametrize("key", ["ctrl+c", "f10"])
 async def test_ctrl_c_and_f10_quit_from_the_filter_and_dialogs(server: Engine, key: str):
-    app = live_app(server)
-    async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
-        await pilot.press("slash")
-        assert isinstance(app.focused, Input)
-        await pilot.press(key)  # the Input's own ctrl+c (copy) must not win
-        assert await stopped(app)
-    app = live_app(server)
-    async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
-        await pilot.press("d")
-        assert isinstance(app.screen, DrainScreen)
-        await pilot.press(key)
-        assert await stopped(app)
+    for opener, opened in (("slash", lambda app: isinstance(app.focused, Input)), ("d", lambda app: app.typing)):
+        app = live_app(server)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda app=app: app.source.current is not None, "a frame")
+            await pilot.press(opener)  # the filter box (whose own ctrl+c copies), the drain dialog
+            assert opened(app)
+            await pilot.press(key)
+            assert await stopped(app), f"{key} did not quit after {opener}"
     assert engine_state(server) == "running"
 
 
@@ -370,19 +361,16 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
 
 
 # ---- in a real terminal: the keys arrive as one read, as from tmux send-keys ------------------
-def wait_exit(term: Terminal, timeout: float = 20.0) -> int:
+def exits_cleanly(term: Terminal, timeout: float = 20.0) -> None:
+    """kvtop ends with status 0 and no traceback (its output drained meanwhile)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid, status = os.waitpid(term.pid, os.WNOHANG)
-        if pid:
-            return status
-        try:
-            term.read_until("\x00", timeout=0.3)  # keep draining its output
-        except AssertionError:
-            pass
-    os.kill(term.pid, signal.SIGKILL)
-    os.waitpid(term.pid, 0)
-    raise AssertionError("kvtop did not exit")
+    while not (done := os.waitpid(term.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        with contextlib.suppress(AssertionError):
+            term.read_until("\x00", timeout=0.3)
+    os.close(term.fd)
+    assert done[0], "kvtop did not exit"
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0, f"exit status {done[1]}"
+    assert b"Traceback" not in term.output and b"MarkupError" not in term.output
 
 
 def test_terminal_type_ahead_does_not_drain_and_ctrl_c_quits(server: Engine):
@@ -396,10 +384,7 @@ def test_terminal_type_ahead_does_not_drain_and_ctrl_c_quits(server: Engine):
     time.sleep(1.0)
     assert engine_state(server) == "running"
     term.press("\x03")  # ctrl+c
-    status = wait_exit(term)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"exit status {status}"
-    assert b"Traceback" not in term.output
-    os.close(term.fd)
+    exits_cleanly(term)
 
 
 def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
@@ -411,7 +396,4 @@ def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
     term.press("/[/\r")
     term.read_until("filter: [/")
     term.press("\x1b[21~")  # F10
-    status = wait_exit(term)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"exit status {status}"
-    assert b"Traceback" not in term.output and b"MarkupError" not in term.output
-    os.close(term.fd)
+    exits_cleanly(term)
