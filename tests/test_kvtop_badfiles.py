@@ -298,3 +298,37 @@ async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path
         assert f"first {MAX_ROWS:,} of 100,000; … and {100_000 - MAX_ROWS:,} more" in str(panel.border_title)
         await pilot.press("left", "right")  # away and back: still a window
         assert pilot.app.query_one(SequencesTable).row_count == MAX_ROWS
+
+
+# ---- the frame check itself ---------------------------------------------------------------------
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_recorded_incidents_pass_the_frame_check(path: Path):
+    """If the schema gains a required key, old files must still replay (engine.stats.normalize_frame)."""
+    from engine.snapshot_reader import SnapshotReader
+
+    with SnapshotReader(path) as reader:
+        for i in range(len(reader)):
+            reader.frame(i)
+
+
+def test_the_frame_check_refuses_what_the_json_schema_refuses():
+    from jsonschema import Draft202012Validator
+
+    from engine.frame_check import check_frame, stats_schema
+    from engine.stats import normalize_frame
+
+    validator = Draft202012Validator(stats_schema())
+    good = normalize_frame(_first_frame())
+    assert check_frame(good) is None
+    mutations = {
+        "ts": "yesterday", "schema": 2, "engine": [], "kv": None, "sequences": {}, "events": [{"ts": 1}],
+        "scheduler": {"running": 1}, "memory": {**good["memory"], "nvml": 7},
+        "latency": {**good["latency"], "ttft": {**good["latency"]["ttft"], "counts": [1, "2"]}},
+        "prefix": {**good["prefix"], "hit_rate": "high"},
+    }  # fmt: skip
+    for key, bad in mutations.items():
+        frame = {**good, key: bad}
+        assert not validator.is_valid(frame), key
+        assert check_frame(frame), key
+    del good["kv"]["blocks"]
+    assert not validator.is_valid(good) and check_frame(good) == "kv: missing blocks"
