@@ -215,7 +215,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         return isinstance(self.screen, ModalScreen) or isinstance(self.focused, Input)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "quit":
+        if action == "quit_now":  # ctrl+c, F10: from anywhere
             return True
         if action in LIVE_ACTIONS and not self.can_act:
             return False
@@ -224,6 +224,9 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         # no dashboard key fires while typing: `/5d0⏎` is filter text, and a priority key (`/`,
         # ←/→) must not steal a dialog's or the filter box's keys (tab still moves the focus)
         return action not in DASHBOARD_ACTIONS or not self.typing
+
+    async def action_quit_now(self) -> None:
+        await self.action_quit()
 
     def action_help(self) -> None:
         view_keys = [b for b in VIEW_KEYS if not b.action.startswith("tab(")]

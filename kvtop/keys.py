@@ -4,8 +4,8 @@ View keys work everywhere; the live actions exist only against an engine and wit
 `--readonly`; the replay keys only in replay (← and → are priority keys there, so that the
 sequences table does not take them, and give way to any dialog or text box).
 
-While a dialog or the filter box has the keyboard, no app key fires but the quit keys
-(`KvtopApp.check_action`): keys typed after `/` are filter text, never actions. `/` is a
+While a dialog or the filter box has the keyboard, no app key fires but ctrl+c and F10
+(`KvtopApp.check_action`; `q` is then a letter): keys typed after `/` are filter text, never actions. `/` is a
 priority key so that the filter box takes the keyboard before the keys typed after it are read.
 """
 
@@ -15,7 +15,9 @@ from textual.binding import Binding
 
 VIEW_KEYS = [
     Binding("q", "quit", "Quit"),
-    Binding("ctrl+c,f10", "quit", "Quit", show=False, priority=True, tooltip="quit (also in dialogs and the filter)"),
+    Binding(
+        "ctrl+c,f10", "quit_now", "Quit", show=False, priority=True, tooltip="quit, even from a dialog or the filter"
+    ),
     Binding("question_mark", "help", "Help"),
     Binding("space", "pause", "Pause", tooltip="live: pause/resume the view · replay: play/pause"),
     Binding(
