@@ -9,6 +9,7 @@ from typing import Annotated, ClassVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from typer.core import TyperGroup
@@ -411,7 +412,7 @@ def snapshot(
         raise CLIError("--reason is not valid UTF-8 text")
     with _client(socket) as c:
         r = c.snapshot(path, reason, force=force)
-    out.print(r["path"], highlight=False, soft_wrap=True)
+    out.print(r["path"], markup=False, highlight=False, soft_wrap=True)  # a path may hold [brackets]
 
 
 def _is_text(value: str) -> bool:
@@ -455,6 +456,7 @@ def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")
     out.print(
         f"{file}: snapshot of {meta.get('model')} ({meta.get('reason')}), {len(snap.frames)} frames over "
         f"{span:.0f} s, {len(snap.events)} events, {len(snap.sequences)} sequences, {len(snap.blocks)} blocks",
+        markup=False,
         highlight=False,
         soft_wrap=True,
     )
@@ -486,22 +488,22 @@ def main(argv: list[str] | None = None) -> None:
         if not exc.format_message():  # no arguments: the help was printed, nothing to add
             sys.exit(exc.exit_code)
         where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-        err.print(f"[red]kvctl:[/red] {exc.format_message()}{where}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvctl:[/red] {escape(exc.format_message())}{escape(where)}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Abort:
         err.print("kvctl: aborted")
         sys.exit(1)
     except CLIError as exc:
-        err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvctl:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.code)
     except EngineUnavailable as exc:
-        err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvctl:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except EngineRequestError as exc:
-        err.print(f"[red]kvctl:[/red] the engine refused: {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvctl:[/red] the engine refused: {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except EngineError as exc:
-        err.print(f"[red]kvctl:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvctl:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("kvctl: interrupted")

@@ -138,9 +138,9 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
         for e in events:
             et.add_row(
                 time.strftime("%H:%M:%S", time.localtime(e["ts"])),
-                e["kind"],
-                e.get("seq_id") or "",
-                e.get("detail") or "",
+                Text(e["kind"]),  # text, not markup: a snapshot path in a detail may hold [/brackets]
+                Text(e.get("seq_id") or ""),
+                Text(e.get("detail") or ""),
             )
         parts.append(et)
     return Group(*parts)

@@ -164,6 +164,19 @@ def test_kvctl_snapshot_never_creates_directories(server, out):
     assert (out / "dir-link").is_symlink() and len(list(out.glob("*.kvsnap"))) == 2
 
 
+def test_a_path_that_looks_like_markup_is_printed_as_typed(server, out):
+    """`[/x]` is rich markup: printed as markup, a path (and the event that names it) used to
+    break `kvctl snapshot`, its errors and `kvctl status` with a traceback."""
+    (out / "[").mkdir()
+    path = f"{out}/[/x].kvsnap"
+    proc = kvctl("snapshot", "-o", path, "--socket", str(server.socket))
+    assert proc.returncode == 0 and proc.stdout.strip() == path, proc.stderr
+    status = kvctl("status", "--socket", str(server.socket))
+    assert status.returncode == 0 and "[/x].kvsnap" in status.stdout.replace("\n", ""), status.stderr
+    proc = kvctl("snapshot", "-o", path, "--socket", str(server.socket))  # exists: the error names it
+    assert proc.returncode == 1 and "[/x].kvsnap already exists" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_kvctl_snapshot_with_a_non_utf8_name_is_one_line(server, out):
     name = os.fsencode(str(out)) + b"/incident-\xff\xfe.kvsnap"
     proc = subprocess.run([*KVCTL, "snapshot", "-o", name, "--socket", str(server.socket)],
