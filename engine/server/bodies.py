@@ -19,9 +19,10 @@ import asyncio
 import json
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 
-from engine.server.protocol import APIError
+from engine.server.protocol import APIError, validate
 
 MAX_DEPTH = 64  # no OpenAI request nests deeper than ~6; a parser's stack is not a resource to offer
 CLOSE = {"Connection": "close"}  # the rest of the body is not read: the connection cannot be reused
@@ -117,3 +118,14 @@ def _check_text(text: str, where: str, param: str | None) -> None:
             param=param,
             code="invalid_value",
         ) from None
+
+
+PARSE_INLINE_BYTES = 64 * 1024  # bigger bodies are parsed on a worker thread
+
+
+async def read_request(request: Request, model: type, limit: int, timeout: float):
+    """The body, bounded in size and time, parsed and validated into `model` (protocol.py)."""
+    raw = await read_body(request, limit, timeout)
+    if len(raw) > PARSE_INLINE_BYTES:  # megabytes of JSON take a while to parse, walk and validate
+        return await anyio.to_thread.run_sync(lambda: validate(model, parse_json_body(raw)))
+    return validate(model, parse_json_body(raw))

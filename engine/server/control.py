@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from engine.server.api import install_error_handlers, read_request
+from engine.server.bodies import read_request
+from engine.server.errors import install_error_handlers
 from engine.server.loop import EngineLoop
 from engine.server.protocol import APIError, DrainRequest, EvictRequest, SnapshotRequest
 from engine.snapshot import SnapshotError, SnapshotExists, check_target

@@ -1,0 +1,48 @@
+"""GET /v1/models, /health and /metrics: what is served, whether it is up, and its numbers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.metrics import CONTENT_TYPE, render_metrics
+from engine.server.serving import Serving
+
+
+def models_router(s: Serving) -> APIRouter:
+    router = APIRouter()
+    engine = s.engine
+    created = int(engine.start_time)
+
+    def card() -> dict:
+        return {
+            "id": s.served,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvtop",
+            "root": str(engine.model_path),
+            "max_model_len": engine.max_seq_len,  # min(max_model_len, KV capacity): what a request can use
+        }
+
+    @router.get("/models")
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    return router
+
+
+def health_router(s: Serving, registry) -> APIRouter:
+    """No API key on these, as vLLM: probes and scrapers do not carry one."""
+    router = APIRouter()
+
+    @router.api_route("/health", methods=["GET", "HEAD"])
+    async def health():
+        state = s.engine.state
+        ok = state == "running" and s.loop.running
+        return JSONResponse({"status": "ok" if ok else state, "state": state}, status_code=200 if ok else 503)
+
+    @router.get("/metrics")
+    def metrics():  # sync: runs in the threadpool, a frame costs a little
+        return Response(render_metrics(registry), media_type=CONTENT_TYPE)
+
+    return router

@@ -1,0 +1,126 @@
+"""What every OpenAI route shares: the API key, the model check, sampling parameters, admission.
+
+`Serving` holds the per-server facts (the engine loop, the served name, the prompt builder) and
+turns a validated request into an admitted `Job`, or an `APIError` a client can act on: 400 for
+what can never be served, 429 for a full queue, 503 while draining.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+
+from fastapi import Request
+
+from engine.errors import EngineDrainingError, InvalidRequestError
+from engine.sampling import SamplingParams
+from engine.server.bodies import read_request
+from engine.server.jobs import Job
+from engine.server.loop import EngineLoop
+from engine.server.prompts import PromptBuilder
+from engine.server.protocol import APIError, _SamplingRequest
+
+
+class Serving:
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.engine = loop.engine
+        self.tokenizer = self.engine.tokenizer
+        self.served = self.engine.config.served_model_name or self.engine.config.model
+        self.prompts = PromptBuilder(self.engine)
+        self.capacity = self.engine.config.max_num_seqs + loop.config.max_queue
+
+    async def read(self, request: Request, model: type):
+        return await read_request(request, model, self.loop.config.max_request_body, self.loop.config.read_timeout)
+
+    def require_key(self, request: Request) -> None:
+        key = self.loop.config.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.served:
+            raise APIError(
+                404, f"model {model[:200]!r} is not served here; this server serves {self.served!r}", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+
+    def sampling(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        try:
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=-1 if not req.top_k else req.top_k,
+                    min_p=req.min_p or 0.0,
+                    seed=None if req.seed is None else req.seed + i,
+                    stop=req.stop,
+                    stop_token_ids=self.prompts.check_stop_token_ids(req.stop_token_ids),
+                    ignore_eos=req.ignore_eos,
+                    min_tokens=req.min_tokens,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logprobs=logprobs,
+                )
+                for i in range(req.n)
+            ]
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc)) from None
+
+    def check_capacity(self, count: int, param: str) -> None:
+        """A request for more sequences than can ever be in flight is the client's to fix (400),
+        not a full queue to retry later (429)."""
+        if count > self.capacity:
+            raise APIError(
+                400,
+                f"this request needs {count} sequences (prompts × n) but at most {self.capacity} can ever be in "
+                f"flight (max_num_seqs {self.engine.config.max_num_seqs} + max_queue {self.loop.config.max_queue}): "
+                "send fewer",
+                param=param,
+                code="too_many_sequences",
+            )
+
+    def admit(self, job: Job) -> None:
+        loop = self.loop
+        self.check_capacity(len(job.ids), "n")
+        state = self.engine.state
+        if state != "running":
+            loop.note_rejected("draining", state)
+            raise self.draining(f"the engine is {state}: it admits no new requests until resumed; retry later")
+        if loop.inflight + len(job.ids) > self.capacity:
+            loop.note_rejected("queue_full", f"{loop.inflight} requests in flight, limit {self.capacity}")
+            raise APIError(
+                429,
+                f"the queue is full ({loop.inflight} requests in flight, at most {self.capacity}): retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        try:
+            job.submit()
+        except EngineDrainingError as exc:
+            raise self.draining(str(exc)) from None
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc)) from None
+
+    def draining(self, message: str) -> APIError:
+        return APIError(503, message, type="service_unavailable", code="engine_draining",
+                        headers={"Retry-After": str(self.retry_after())})  # fmt: skip
+
+    def retry_after(self) -> int:
+        info = self.loop.drain_info
+        if info and info.get("deadline"):
+            return max(1, math.ceil(info["deadline"] - time.time()))
+        return 10
+
+    @staticmethod
+    def check_errors(job: Job) -> None:
+        if any(o.finish_reason == "error" for o in job.finished.values()):
+            raise APIError(500, "the engine failed while generating; see the server log", type="server_error")
+
+    def token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t])
