@@ -85,13 +85,21 @@ def compare_backends(backends: list[str], dtypes: list[str], kinds: list[str], a
                           attention_backend=backend, quiet=True)  # fmt: skip
                 resolved = llm.stats()["engine"]["attention_backend"]
                 run_engine(llm, *workload("fixed", 4, seed=99))  # warm-up
-                best = min(run_engine(llm, prompts, out_lens) for _ in range(args.repeats))
-                row = {"dtype": dtype, "workload": kind, "attention_backend": resolved, "engine_tok_s": useful / best}
+                walls, cpus = [], []
+                for _ in range(args.repeats):
+                    c0 = time.process_time()
+                    walls.append(run_engine(llm, prompts, out_lens))
+                    cpus.append(time.process_time() - c0)
+                # tokens per CPU-second of this process: on a shared machine, less disturbed than wall time
+                row = {"dtype": dtype, "workload": kind, "attention_backend": resolved,
+                       "engine_tok_s": useful / min(walls), "engine_tok_per_cpu_s": useful / min(cpus)}  # fmt: skip
                 results.append(row)
                 first = next(r for r in results if r["dtype"] == dtype and r["workload"] == kind)
                 print(
                     f"{dtype:9} {kind:8} engine[{resolved}] {row['engine_tok_s']:7.1f} tok/s"
-                    f" ({row['engine_tok_s'] / first['engine_tok_s']:.2f}x of {first['attention_backend']})",
+                    f" ({row['engine_tok_s'] / first['engine_tok_s']:.2f}x of {first['attention_backend']}),"
+                    f" {row['engine_tok_per_cpu_s']:7.1f} tok/CPU-s"
+                    f" ({row['engine_tok_per_cpu_s'] / first['engine_tok_per_cpu_s']:.2f}x)",
                     flush=True,
                 )
                 del llm
