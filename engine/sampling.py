@@ -64,6 +64,18 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+class Logprob(float):
+    """The chosen token's log-probability (a float, as before) carrying the `top` k most likely
+    tokens of that step as `(token_id, logprob)`, most likely first, when the request asks for k > 0."""
+
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __new__(cls, value: float, top: tuple[tuple[int, float], ...] = ()) -> Logprob:
+        obj = super().__new__(cls, value)
+        obj.top = top
+        return obj
+
+
 def _check_int(name: str, value, low: int, what: str | None = None, high: int = MAX_COUNT) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise InvalidRequestError(f"{name} must be {what or f'an integer in [{low}, {high}]'}, got {value!r}")
@@ -81,8 +93,9 @@ def sample(
     token_ids: Sequence[Sequence[int]] | None = None,
     num_outputs: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
-) -> tuple[list[int], list[float] | None]:
-    """Pick one token per row of `logits` [n, vocab]; returns tokens and (if any row asks) log-probs.
+) -> tuple[list[int], list[Logprob] | None]:
+    """Pick one token per row of `logits` [n, vocab]; returns tokens and (if any row asks) log-probs,
+    each with the row's `logprobs` most likely tokens of the model's distribution.
 
     `token_ids` (each row's prompt and output so far) and `num_outputs` feed repetition_penalty
     and min_tokens; log-probs are those of the model, before any processor. Every tensor made
@@ -123,8 +136,23 @@ def sample(
     token_list = tokens.tolist()
     lp = None
     if logprobs_full is not None:
-        lp = logprobs_full.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        lp = _logprobs(logprobs_full, tokens, params)
     return token_list, lp
+
+
+def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[Logprob]:
+    """The chosen tokens' log-probs, and per row its own k most likely tokens (one topk for all)."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max((p.logprobs or 0) for p in params), logprobs.shape[-1])
+    if k <= 0:
+        return [Logprob(v) for v in chosen]
+    values, ids = logprobs.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    out = []
+    for row, p in enumerate(params):
+        want = min(p.logprobs or 0, k)
+        out.append(Logprob(chosen[row], tuple(zip(ids[row][:want], values[row][:want], strict=True))))
+    return out
 
 
 def apply_processors(

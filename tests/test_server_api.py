@@ -113,7 +113,7 @@ def test_logprobs(server, client):
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
     assert "".join(lp.tokens) == r.choices[0].text
     c = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                       logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+                                       logprobs=True, top_logprobs=1, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and content[0].top_logprobs[0].token == content[0].token
 
@@ -176,10 +176,10 @@ BAD_INPUTS = [
     ("token outside vocab", "/v1/completions", {"model": "M", "prompt": [1, 10**9]}, 400, "prompt"),
     ("max_tokens a string", "/v1/completions", {"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens a float", "/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
-    ("max_tokens zero", "/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {"model": "M", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("temperature negative", "/v1/completions", {"model": "M", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("temperature too high", "/v1/completions", {"model": "M", "prompt": "x", "temperature": 2.5}, 400, "temperature"),
-    ("top_p zero", "/v1/completions", {"model": "M", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p negative", "/v1/completions", {"model": "M", "prompt": "x", "top_p": -0.1}, 400, "top_p"),
     ("top_p above one", "/v1/completions", {"model": "M", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("n zero", "/v1/completions", {"model": "M", "prompt": "x", "n": 0}, 400, "n"),
     ("n huge", "/v1/completions", {"model": "M", "prompt": "x", "n": 1000}, 400, "n"),

@@ -102,3 +102,23 @@ def test_server_config_refuses_unknown_triggers():
 
     with pytest.raises(ConfigError, match="unknown snapshot trigger"):
         ServerConfig(snapshot_on=("sometimes",))
+
+
+def test_token_texts_describe_exactly_the_returned_text(tokenizer):
+    """Log-probs list the tokens of the text a client gets: not a final <|im_end|>, not a stop string's tokens,
+    and a character split over tokens is described once, by the token that completes it."""
+    from engine.server.detokenize import TokenCursor
+
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [*tokenizer.encode("Hi 你好 there. The end", add_special_tokens=False), eos]
+    text = decode(ids)
+    items = TokenCursor(decode).take(ids, len(text), finished=True)
+    assert "".join(t for _, t, _ in items) == text == "Hi 你好 there. The end"
+    assert len(items) == len(ids) - 1  # the EOS adds no text: not listed
+    cut = text.index(" The")  # a stop string " The end" matched: the text ends before it
+    items = TokenCursor(decode).take(ids, cut, finished=True)
+    assert "".join(t for _, t, _ in items) == text[:cut]
+    # while streaming, only tokens whose whole text is out are described
+    cursor = TokenCursor(decode)
+    assert cursor.take(ids[:3], 2, finished=False) == [(0, "Hi", 0)]

@@ -3,7 +3,7 @@
 Each HTTP request becomes one engine request per prompt × `n` (a `Job`, jobs.py), sharing one
 asyncio queue that the engine thread feeds (loop.py). A client that goes away aborts its engine
 requests, so their KV blocks are freed at the next step; a full queue or a draining engine
-answers at once. Routes live one API per module; what they share is in serving.py and
+answers at once. `/openapi.json` describes it all (openapi.py). Routes live one API per module; what they share is in serving.py and
 streaming.py, and every error leaves through errors.py.
 """
 
@@ -13,16 +13,19 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from engine.server.errors import install_error_handlers
 from engine.server.loop import EngineLoop
+from engine.server.openapi import install_openapi
 from engine.server.routes_chat import chat_router
 from engine.server.routes_completions import completions_router
 from engine.server.routes_models import health_router, models_router
 from engine.server.serving import Serving
+from kvtop import __version__
 
 
 def build_api(loop: EngineLoop, registry) -> FastAPI:
     s = Serving(loop)
-    app = FastAPI(title="kvtop", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvtop", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
+    install_openapi(app, __version__)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(s.require_key)])
     for router in (completions_router(s), chat_router(s), models_router(s)):
         v1.include_router(router)

@@ -45,3 +45,64 @@ class IncrementalDetokenizer:
         delta = text[self.sent : end]
         self.sent = end
         return delta
+
+
+class TokenTexts:
+    """Each output token's share of the text, so log-probs describe exactly the returned text.
+
+    Token j's text is what decoding the first j+1 tokens adds to decoding the first j (the
+    tokenizer's spacing kept; a token ending inside a UTF-8 character adds nothing, the one
+    completing it adds the character). Special tokens the text skips (`<|im_end|>`) add nothing.
+    `within(n)` keeps the tokens that start inside the first n characters, the last one cut at n:
+    a stop string's tokens and a final EOS are not part of the returned text, so not listed."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.text = ""
+        self.ends: list[int] = []  # character offset where each token's text ends
+
+    def update(self, token_ids: list[int]) -> None:
+        for j in range(len(self.ends), len(token_ids)):
+            full = self._decode(token_ids[: j + 1])
+            stable = full.rstrip(REPLACEMENT)  # an incomplete character is not text yet
+            if stable.startswith(self.text):
+                self.text = stable
+            self.ends.append(max(len(self.text), self.ends[-1] if self.ends else 0))
+
+    def span(self, j: int) -> tuple[int, int]:
+        return (self.ends[j - 1] if j else 0), self.ends[j]
+
+    def released(self, start: int, chars: int) -> int:
+        """How many tokens from `start` on end within the first `chars` characters."""
+        end = start
+        while end < len(self.ends) and self.ends[end] <= chars:
+            end += 1
+        return end
+
+    def within(self, start: int, chars: int) -> list[tuple[int, str, int]]:
+        """(token index, its text cut at `chars`, its offset) for tokens from `start` that begin before `chars`."""
+        out = []
+        for j in range(start, len(self.ends)):
+            a, b = self.span(j)
+            if a >= chars:
+                break
+            out.append((j, self.text[a : min(b, chars)], a))
+        return out
+
+
+class TokenCursor:
+    """Which of a choice's tokens have been described so far, as its text is handed out."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.texts = TokenTexts(decode)
+        self.done = 0
+
+    def take(self, token_ids: list[int], chars: int, finished: bool) -> list[tuple[int, str, int]]:
+        """The tokens not yet described whose text lies in the first `chars` characters handed out;
+        until the choice finishes, only tokens whose whole text is out."""
+        self.texts.update(token_ids)
+        items = self.texts.within(self.done, chars)
+        if not finished:
+            items = [it for it in items if self.texts.ends[it[0]] <= chars]
+        self.done += len(items)
+        return items

@@ -20,8 +20,16 @@ from engine.server.loop import EngineLoop
 class Job:
     """The engine requests behind one HTTP request: `len(prompts) × n` choices, one queue."""
 
-    def __init__(self, loop: EngineLoop, base_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        base_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        empty: bool = False,
+    ) -> None:
         self.loop = loop
+        self.empty = empty  # max_tokens 0: every choice ends at once with no tokens
         self.base_id = base_id
         self.n = len(params)
         self.prompts = prompts
@@ -37,6 +45,18 @@ class Job:
     def submit(self) -> None:
         requests = [(rid, self.prompt_of(i), self.params[i]) for i, rid in enumerate(self.ids)]
         self.loop.submit(requests, self.queue.put_nowait)
+
+    def finish_empty(self) -> None:
+        for i, rid in enumerate(self.ids):
+            prompt = self.prompt_of(i)
+            out = RequestOutput(rid, None, prompt, [], text="", finished=True, finish_reason="length",
+                                logprobs=[] if self.params[i].logprobs is not None else None)  # fmt: skip
+            self.queue.put_nowait(out)
+
+    def usage_so_far(self, generated: list[int]) -> dict:
+        """vLLM's continuous_usage_stats: the prompt and the tokens generated up to this chunk."""
+        prompt = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": sum(generated), "total_tokens": prompt + sum(generated)}
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while len(self.finished) < len(self.ids):

@@ -1,17 +1,28 @@
 """The OpenAI request bodies as pydantic models, and OpenAI-style errors.
 
-Validation is strict (a string is not a number, `1.0` is not an integer) so that a client bug
-shows as a 400 naming the parameter instead of a quietly different request. Fields this engine
-cannot honour are refused when set to anything but their neutral value, never ignored.
+Validation is strict (a string is not a number, `1.5` is not an integer; `2.0` is 2, as JSON
+does not tell them apart) so that a client bug shows as a 400 naming the parameter instead of a
+quietly different request. `null` means "the default" for every optional field, as the OpenAI
+spec allows. Fields this engine cannot honour are refused when set to anything but their neutral
+value, never ignored. The models are also what `/openapi.json` documents.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
-MAX_N = 16
+MAX_N = 128
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -134,31 +145,59 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
         raise APIError(400, msg, param=param, code=code) from None
 
 
+def _whole(v: Any) -> Any:
+    """`2.0` is the integer 2 (JSON has one number type); `2.5` stays a float and is refused."""
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**64:
+        return int(v)
+    if isinstance(v, list):
+        return [_whole(x) for x in v]
+    return v
+
+
+def _is_int_field(annotation: Any) -> bool:
+    text = str(annotation)
+    return re.search(r"\bint\b", text) is not None and "float" not in text and "Any" not in text
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`null` is the field's default; a whole float (`2.0`) in an integer field is that integer."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: _whole(v) if k in fields and _is_int_field(fields[k].annotation) else v
+            for k, v in data.items()
+            if v is not None
+        }
+
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage so far in every chunk
 
 
 class _SamplingRequest(_Strict):
     refused: ClassVar[dict[str, tuple]] = REFUSED_COMMON
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT)  # 0: no tokens (with echo, the prompt alone)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: only the most likely token
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)  # vLLM's extension; over the vocabulary: no top-k
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
-    min_tokens: int = Field(0, ge=0, le=MAX_INT)  # vLLM's: EOS and stop tokens are not sampled before this
+    min_tokens: int | None = Field(0, ge=0, le=MAX_INT)  # vLLM's: EOS and stop tokens are not sampled before this
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)  # vLLM's (CTRL's): 1 is off
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int | None = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension
+    ignore_eos: bool | None = False  # vLLM's extension
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -192,12 +231,27 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "minItems": 1,
+         "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}},
+    ]
+}  # fmt: skip
+
 
 class CompletionRequest(_SamplingRequest):
     refused: ClassVar[dict[str, tuple]] = {**REFUSED_COMMON, **REFUSED_COMPLETION}
-    prompt: Any
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -222,8 +276,9 @@ class CompletionRequest(_SamplingRequest):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by this engine", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported: this engine computes no prompt log-probs",
+                           param="echo", code="unsupported_parameter")  # fmt: skip
         if self.suffix:
             raise APIError(400, "suffix is not supported by this engine", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -253,8 +308,8 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     refused: ClassVar[dict[str, tuple]] = {**REFUSED_COMMON, **REFUSED_CHAT}
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    logprobs: bool = False
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     response_format: ResponseFormat | None = None
@@ -279,7 +334,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def wanted_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class DrainRequest(_Strict):

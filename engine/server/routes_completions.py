@@ -1,4 +1,4 @@
-"""POST /v1/completions: text in, text out, streamed or whole."""
+"""POST /v1/completions: text in, text out, streamed or whole (with `echo`, the prompt first)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
+from engine.server.detokenize import TokenCursor
 from engine.server.jobs import Job
+from engine.server.logprobs import completion_logprobs
+from engine.server.openapi import COMPLETION_DOC
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import Serving
 from engine.server.streaming import EventStream, stream_job
@@ -20,21 +23,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def completions_router(s: Serving) -> APIRouter:
     router = APIRouter()
 
-    def logprobs(out: RequestOutput, start: int, end: int, k: int, offset0: int) -> dict:
-        toks = [s.token_text(t) for t in out.token_ids[start:end]]
-        lps = list((out.logprobs or [])[start:end])
-        offsets, pos = [], offset0
-        for text in toks:
-            offsets.append(pos)
-            pos += len(text)
-        return {
-            "tokens": toks,
-            "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(toks, lps, strict=False)] if k > 0 else None,
-            "text_offset": offsets,
-        }
-
-    @router.post("/completions")
+    @router.post("/completions", **COMPLETION_DOC)
     async def completions(request: Request):
         req = await s.read(request, CompletionRequest)
         s.check_model(req.model)
@@ -46,33 +35,46 @@ def completions_router(s: Serving) -> APIRouter:
         max_tokens = min(
             s.prompts.max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in ids_list
         )
-        job = Job(s.loop, f"cmpl-{uuid.uuid4().hex[:24]}", ids_list, s.sampling(req, max_tokens, req.logprobs))
+        params = s.sampling(req, max_tokens, req.logprobs)
+        job = Job(s.loop, f"cmpl-{uuid.uuid4().hex[:24]}", ids_list, params, empty=max_tokens == 0)
         s.admit(job)
-        base = {"id": job.base_id, "object": "text_completion", "created": int(time.time()), "model": s.served}
+        echoes = [""] * len(job.ids)
+        if req.echo:  # the prompt as sent, or decoded from its token ids
+            echoes = [t if isinstance(t, str) else s.engine.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
+            echoes = [echoes[i // job.n] for i in range(len(job.ids))]
+        base = {"id": job.base_id, "object": "text_completion", "created": int(time.time()), "model": s.served,
+                "system_fingerprint": s.fingerprint}  # fmt: skip
         if req.stream:
-            return EventStream(stream(job, req, base))
+            return EventStream(stream(job, req, base, echoes))
         if not await job.run_to_end(request):
             return Response(status_code=499)
         s.check_errors(job)
         choices = []
         for i, rid in enumerate(job.ids):
             out = job.finished[rid]
-            lp = logprobs(out, 0, len(out.token_ids), req.logprobs, 0) if req.logprobs is not None else None
-            choices.append({"index": i, "text": out.text or "", "logprobs": lp, "finish_reason": out.finish_reason})
-        return {**base, "choices": choices, "usage": job.usage(), "system_fingerprint": None}
-
-    def stream(job: Job, req: CompletionRequest, base: dict):
-        text_pos = [0] * len(job.ids)
-
-        def choice(i: int, out: RequestOutput, delta: str, start: int, end: int) -> dict | None:
             lp = None
-            if req.logprobs is not None and end > start:
-                lp = logprobs(out, start, end, req.logprobs, text_pos[i])
+            if req.logprobs is not None:
+                items = TokenCursor(s.engine.decode).take(out.token_ids, len(out.text or ""), True)
+                lp = completion_logprobs(out, items, req.logprobs, 0, s.token_text)
+            text = echoes[i] + (out.text or "")
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
+        return {**base, "choices": choices, "usage": job.usage()}
+
+    def stream(job: Job, req: CompletionRequest, base: dict, echoes: list[str]):
+        cursors = [TokenCursor(s.engine.decode) for _ in job.ids]
+
+        def choice(i: int, out: RequestOutput, delta: str, chars: int) -> dict | None:
+            lp = None
+            if req.logprobs is not None:
+                items = cursors[i].take(out.token_ids, chars, out.finished)
+                lp = completion_logprobs(out, items, req.logprobs, 0, s.token_text) if items else None
             if not delta and not out.finished and lp is None:
                 return None
-            text_pos[i] += len(delta)
             return {"index": i, "text": delta, "logprobs": lp, "finish_reason": out.finish_reason}
 
-        return stream_job(job, s.engine.decode, base, choice, req.include_usage)
+        opening = [
+            {"index": i, "text": echo, "logprobs": None, "finish_reason": None} for i, echo in enumerate(echoes) if echo
+        ]
+        return stream_job(job, s.engine.decode, base, choice, req, opening)
 
     return router

@@ -1,11 +1,12 @@
-"""GET /v1/models, /health and /metrics: what is served, whether it is up, and its numbers."""
+"""GET /v1/models (and /v1/models/{id}), /health and /metrics: what is served, whether it is up, its numbers."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.server.metrics import CONTENT_TYPE, render_metrics
+from engine.server.openapi import HEALTH_DOC, MODEL_DOC, MODELS_DOC
 from engine.server.serving import Serving
 
 
@@ -24,9 +25,14 @@ def models_router(s: Serving) -> APIRouter:
             "max_model_len": engine.max_seq_len,  # min(max_model_len, KV capacity): what a request can use
         }
 
-    @router.get("/models")
+    @router.get("/models", **MODELS_DOC)
     async def models():
         return {"object": "list", "data": [card()]}
+
+    @router.get("/models/{model_id:path}", **MODEL_DOC)
+    async def model(model_id: str):
+        s.check_model(model_id)
+        return card()
 
     return router
 
@@ -35,13 +41,13 @@ def health_router(s: Serving, registry) -> APIRouter:
     """No API key on these, as vLLM: probes and scrapers do not carry one."""
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"])
+    @router.api_route("/health", methods=["GET", "HEAD"], **HEALTH_DOC)
     async def health():
         state = s.engine.state
         ok = state == "running" and s.loop.running
         return JSONResponse({"status": "ok" if ok else state, "state": state}, status_code=200 if ok else 503)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     def metrics():  # sync: runs in the threadpool, a frame costs a little
         return Response(render_metrics(registry), media_type=CONTENT_TYPE)
 

@@ -7,6 +7,7 @@ what can never be served, 429 for a full queue, 503 while draining.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import time
@@ -20,6 +21,7 @@ from engine.server.jobs import Job
 from engine.server.loop import EngineLoop
 from engine.server.prompts import PromptBuilder
 from engine.server.protocol import APIError, _SamplingRequest
+from kvtop import __version__
 
 
 class Serving:
@@ -30,6 +32,9 @@ class Serving:
         self.served = self.engine.config.served_model_name or self.engine.config.model
         self.prompts = PromptBuilder(self.engine)
         self.capacity = self.engine.config.max_num_seqs + loop.config.max_queue
+        # what would change the tokens for the same request: the weights, their dtype, the version
+        digest = hashlib.sha256(f"{self.served}|{self.engine.model_path}|{self.engine.dtype}|{__version__}".encode())
+        self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
 
     async def read(self, request: Request, model: type):
         return await read_request(request, model, self.loop.config.max_request_body, self.loop.config.read_timeout)
@@ -50,12 +55,16 @@ class Serving:
             )  # fmt: skip
 
     def sampling(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """One SamplingParams per choice (seed + i for choice i). `top_p: 0` keeps only the most
+        likely token, i.e. greedy; `max_tokens: 0` never reaches the engine (see `Job.empty`)."""
+        top_p = 1.0 if req.top_p is None else req.top_p
+        temperature = 1.0 if req.temperature is None else req.temperature
         try:
             return [
                 SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
+                    max_tokens=max(max_tokens, 1),
+                    temperature=0.0 if top_p == 0 else temperature,
+                    top_p=top_p or 1.0,
                     top_k=-1 if not req.top_k else req.top_k,
                     min_p=req.min_p or 0.0,
                     seed=None if req.seed is None else req.seed + i,
@@ -87,6 +96,9 @@ class Serving:
     def admit(self, job: Job) -> None:
         loop = self.loop
         self.check_capacity(len(job.ids), "n")
+        if job.empty:  # max_tokens 0: nothing to generate, nothing to queue
+            job.finish_empty()
+            return
         state = self.engine.state
         if state != "running":
             loop.note_rejected("draining", state)

@@ -8,7 +8,7 @@ usage chunk when asked and `[DONE]`. Leaving early (the client went away) aborts
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 
 import anyio
@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from engine.outputs import RequestOutput
 from engine.server.detokenize import IncrementalDetokenizer
 from engine.server.jobs import Job
+from engine.server.protocol import _SamplingRequest
 
 
 class EventStream(StreamingResponse):
@@ -47,28 +48,33 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-# (choice index, output, text delta, first token not yet described, tokens now described) -> choice or None
-ChoiceFn = Callable[[int, RequestOutput, str, int, int], dict | None]
+# (choice index, its output, the text delta, characters of text handed out so far) -> a choice, or None
+ChoiceFn = Callable[[int, RequestOutput, str, int], dict | None]
 
 
 async def stream_job(
-    job: Job, decode, base: dict, choice: ChoiceFn, include_usage: bool, opening: list[dict] = ()
+    job: Job, decode, base: dict, choice: ChoiceFn, req: _SamplingRequest, opening: Sequence[dict] = ()
 ) -> AsyncIterator[str]:
+    """With `stream_options.include_usage` every chunk carries `usage` (null, or with vLLM's
+    `continuous_usage_stats` the usage so far) and a last chunk the totals; without it, none does."""
     detok = [IncrementalDetokenizer(decode, p.stop) for p in job.params]
-    sent_tokens = [0] * len(job.ids)
-    extra = {"usage": None} if include_usage else {}
+    generated = [0] * len(job.ids)
+
+    def chunk(c: dict) -> str:
+        usage = {"usage": job.usage_so_far(generated) if req.continuous_usage else None} if req.include_usage else {}
+        return sse({**base, "choices": [c], **usage})
+
     try:
         for first in opening:
-            yield sse({**base, "choices": [first], **extra})
+            yield chunk(first)
         async for out in job.outputs():
             i = job.index[out.request_id]
             delta = detok[i].update(out.token_ids, out.text if out.finished else None)
-            start, end = sent_tokens[i], len(out.token_ids)
-            sent_tokens[i] = end
-            c = choice(i, out, delta, start, end)
+            generated[i] = len(out.token_ids)
+            c = choice(i, out, delta, detok[i].sent)
             if c is not None:
-                yield sse({**base, "choices": [c], **extra})
-        if include_usage:
+                yield chunk(c)
+        if req.include_usage:
             yield sse({**base, "choices": [], "usage": job.usage()})
         yield sse("[DONE]")
     finally:
