@@ -1,10 +1,13 @@
 """Engine metrics: latency histograms (vLLM's buckets), counters, throughput windows, events.
 
-The engine updates these on every step; `engine.stats` turns them into the stats frame.
+The engine updates these on every step; `engine.stats` turns them into the stats frame. The
+per-request figures vLLM exports (prompt and generation lengths, prefill/decode/inference time,
+`n`, `max_tokens`) are observed by the server as requests finish (`RequestStats`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +21,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens in one step
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 WINDOW_S = 60.0
 MAX_SAMPLES = 100_000  # raw values kept for percentiles (since start, up to this many)
 
@@ -40,6 +45,11 @@ class Histogram:
         self.counts[int(np.searchsorted(self.buckets, value, side="left"))] += 1
         self.values.append(value)
         self.recent.append((now or time.time(), value))
+
+    def counts_only(self) -> dict:
+        """Buckets, counts and sum without percentiles: what a Prometheus scrape needs, cheaply."""
+        counts = list(self.counts)
+        return {"buckets": list(self.buckets), "counts": counts, "count": sum(counts), "sum": self.sum}
 
     def summary(self, now: float | None = None) -> dict:
         now = now or time.time()
@@ -85,6 +95,8 @@ class Metrics:
         self.events: deque[dict] = deque(maxlen=5000)
         self._rate_samples: deque[tuple[float, int, int, int]] = deque(maxlen=4096)
         self.peak_kv_usage = 0.0
+        self.iteration = Histogram(ITERATION_BUCKETS)  # tokens computed per step (prompt + generated)
+        self._step_tokens = 0
 
     def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> None:
         # every frame and snapshot carries the ring: text that cannot be UTF-8 (a lone surrogate
@@ -94,6 +106,10 @@ class Metrics:
     def record_step(self, now: float) -> None:
         c = self.counters
         self._rate_samples.append((now, c.prompt_tokens, c.generation_tokens, c.requests_finished))
+        tokens = c.prompt_tokens + c.generation_tokens
+        if tokens > self._step_tokens:
+            self.iteration.observe(tokens - self._step_tokens, now)
+        self._step_tokens = tokens
 
     def prefill_seconds_per_token(self) -> float | None:
         c = self.counters
@@ -115,6 +131,74 @@ class Metrics:
             "generation_tokens_per_s": (latest[2] - first[2]) / dt,
             "requests_per_s": (latest[3] - first[3]) / dt,
         }
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's `build_1_2_5_buckets`: 1, 2, 5, 10, 20, 50… up to `limit`."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > limit:
+                return tuple(out)
+            out.append(v)
+        exp += 1
+
+
+class RequestStats:
+    """vLLM's per-request histograms and its meaning of prompt tokens, observed by the server from
+    each request's outputs (the event-loop thread) and read by scrapes (other threads): one lock.
+
+    Times follow vLLM V1: prefill = first token - first scheduled, decode = last token - first
+    token, inference = last token - first scheduled, time per output token = decode / (tokens - 1)."""
+
+    def __init__(self, max_model_len: int) -> None:
+        lengths = one_two_five(max_model_len)
+        self.lock = threading.Lock()
+        self.prompt_tokens = 0  # whole prompts, prefix hits included, counted at their first token (vLLM's)
+        self.hist = {
+            "prompt": Histogram(lengths),
+            "generation": Histogram(lengths),
+            "max_tokens": Histogram(lengths),
+            "max_generation": Histogram(lengths),
+            "n": Histogram(N_BUCKETS),
+            "prefill": Histogram(E2E_BUCKETS),
+            "decode": Histogram(E2E_BUCKETS),
+            "inference": Histogram(E2E_BUCKETS),
+            "tpot": Histogram(ITL_BUCKETS),
+        }
+        for h in self.hist.values():  # no raw values: percentiles of these are nobody's
+            h.values, h.recent = deque(maxlen=1), deque(maxlen=1)
+
+    def first_token(self, prompt_len: int) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_len
+
+    def finished(self, prompt_len: int, generated: int, max_tokens: int, m) -> None:
+        """One engine request done; `m` its RequestMetrics (None when it never reached the engine)."""
+        with self.lock:
+            h = self.hist
+            h["prompt"].observe(prompt_len)
+            h["generation"].observe(generated)
+            h["max_tokens"].observe(max_tokens)
+            if m is None or m.first_token_time is None or m.first_scheduled_time is None:
+                return
+            last = m.last_token_time or m.first_token_time
+            h["prefill"].observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+            h["decode"].observe(max(0.0, last - m.first_token_time))
+            h["inference"].observe(max(0.0, last - m.first_scheduled_time))
+            if generated > 1:
+                h["tpot"].observe(max(0.0, (last - m.first_token_time) / (generated - 1)))
+
+    def group_finished(self, n: int, max_generated: int) -> None:
+        """One HTTP request's choices (of one prompt) all done: its `n` and its longest choice."""
+        with self.lock:
+            self.hist["n"].observe(n)
+            self.hist["max_generation"].observe(max_generated)
+
+    def read(self) -> tuple[int, dict[str, dict]]:
+        with self.lock:
+            return self.prompt_tokens, {k: h.counts_only() for k, h in self.hist.items()}
 
 
 def _utf8(text: str | None) -> str | None:

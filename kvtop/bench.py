@@ -192,7 +192,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if not s.labels:
+            if not set(s.labels) - {"model_name", "engine"}:  # every series carries these two, as vLLM's
                 out[s.name] = s.value
     return out
 

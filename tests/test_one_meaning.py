@@ -135,7 +135,8 @@ def test_peak_is_never_below_usage(server):
         assert f["kv"]["peak_usage"] >= f["kv"]["usage"] > 0
     with server.http() as http:
         text = http.get("/metrics").text
-    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if set(s.labels) == {"model_name", "engine"}}  # fmt: skip
     assert samples["kvtop_kv_cache_peak_usage_perc"] >= samples["kvtop_kv_cache_usage_perc"] > 0
 
 

@@ -22,7 +22,7 @@ from kvtop import __version__
 
 
 def build_api(loop: EngineLoop, registry) -> FastAPI:
-    s = Serving(loop)
+    s = Serving(loop, getattr(registry, "requests", None))
     app = FastAPI(title="kvtop", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     install_openapi(app, __version__)

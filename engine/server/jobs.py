@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from engine.metrics import RequestStats
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.loop import EngineLoop
@@ -27,9 +28,13 @@ class Job:
         prompts: list[list[int]],
         params: list[SamplingParams],
         empty: bool = False,
+        stats: RequestStats | None = None,
     ) -> None:
         self.loop = loop
         self.empty = empty  # max_tokens 0: every choice ends at once with no tokens
+        self.stats = stats  # vLLM's per-request figures, observed as outputs come (metrics.py)
+        self.max_tokens = 0 if empty else params[0].max_tokens
+        self._started: set[str] = set()
         self.base_id = base_id
         self.n = len(params)
         self.prompts = prompts
@@ -61,9 +66,23 @@ class Job:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while len(self.finished) < len(self.ids):
             out = await self.queue.get()
+            if self.stats is not None:
+                self._observe(out)
             if out.finished:
                 self.finished[out.request_id] = out
             yield out
+        if self.stats is not None:
+            for p in range(len(self.prompts)):
+                group = [self.finished[rid] for rid in self.ids[p * self.n : (p + 1) * self.n]]
+                self.stats.group_finished(self.n, max(len(o.token_ids) for o in group))
+
+    def _observe(self, out: RequestOutput) -> None:
+        prompt = len(self.prompt_of(self.index[out.request_id]))
+        if out.token_ids and out.request_id not in self._started:
+            self._started.add(out.request_id)
+            self.stats.first_token(prompt)
+        if out.finished:
+            self.stats.finished(prompt, len(out.token_ids), self.max_tokens, out.metrics)
 
     async def collect(self) -> None:
         async for _ in self.outputs():

@@ -30,7 +30,8 @@ def chat_router(s: Serving) -> APIRouter:
         ids = await s.prompts.chat_ids(req)
         max_tokens = s.prompts.max_tokens_for(ids, req.wanted_max_tokens, None, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        job = Job(s.loop, f"chatcmpl-{uuid.uuid4().hex[:24]}", [ids], s.sampling(req, max_tokens, k), max_tokens == 0)
+        params = s.sampling(req, max_tokens, k)
+        job = Job(s.loop, f"chatcmpl-{uuid.uuid4().hex[:24]}", [ids], params, max_tokens == 0, s.stats)
         s.admit(job)
         base = {"id": job.base_id, "object": "chat.completion", "created": int(time.time()), "model": s.served,
                 "system_fingerprint": s.fingerprint}  # fmt: skip

@@ -36,7 +36,7 @@ def completions_router(s: Serving) -> APIRouter:
             s.prompts.max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in ids_list
         )
         params = s.sampling(req, max_tokens, req.logprobs)
-        job = Job(s.loop, f"cmpl-{uuid.uuid4().hex[:24]}", ids_list, params, empty=max_tokens == 0)
+        job = Job(s.loop, f"cmpl-{uuid.uuid4().hex[:24]}", ids_list, params, max_tokens == 0, s.stats)
         s.admit(job)
         echoes = [""] * len(job.ids)
         if req.echo:  # the prompt as sent, or decoded from its token ids

@@ -15,6 +15,7 @@ import time
 from fastapi import Request
 
 from engine.errors import EngineDrainingError, InvalidRequestError
+from engine.metrics import RequestStats
 from engine.sampling import SamplingParams
 from engine.server.bodies import read_request
 from engine.server.jobs import Job
@@ -25,8 +26,9 @@ from kvtop import __version__
 
 
 class Serving:
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, stats: RequestStats | None = None) -> None:
         self.loop = loop
+        self.stats = stats  # per-request figures for /metrics
         self.engine = loop.engine
         self.tokenizer = self.engine.tokenizer
         self.served = self.engine.config.served_model_name or self.engine.config.model
