@@ -23,8 +23,9 @@ from engine.kernels import get_backend, resolve_backend_name
 from engine.kv.block_manager import BlockManager
 from engine.kv.cache import KVCache
 from engine.kv.cpu_tier import CpuTier
+from engine.log import log
 from engine.metrics import Metrics
-from engine.model.loader import load_model, log
+from engine.model.loader import load_model
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample

@@ -16,7 +16,7 @@ from engine.config import format_bytes
 from engine.errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.model.llama import ModelSpec
+    from engine.model.spec import ModelSpec
 
 PLAN_KV_DTYPES = ("auto", "fp8_e4m3", "int8")
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the share of device memory the engine may take
@@ -48,7 +48,8 @@ def spec_for(model: str) -> tuple[ModelSpec, str]:
     loading weights (a known name is fetched once if missing)."""
     from transformers import AutoConfig
 
-    from engine.model.loader import resolve_model_dir, spec_from_config
+    from engine.model.loader import resolve_model_dir
+    from engine.model.spec import spec_from_config
 
     path = Path(model).expanduser()
     if model in PRESETS and not path.exists():

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.attention import AttentionBatch
 from engine.kv.cache import KVCache
-from engine.model.llama import AttentionBatch, CausalLM
+from engine.model.llama import CausalLM
 from engine.scheduler import ScheduledBatch
 
 

@@ -10,9 +10,23 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
-from engine.model.llama import KVLayer, ModelSpec
+from engine.model.spec import ModelSpec
 
 KV_STORAGE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+class KVLayer:
+    """One layer's view into the KV allocation (and its scales when quantized)."""
+
+    __slots__ = ("calibrating", "k", "k_scale", "v", "v_scale")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale=None, v_scale=None) -> None:
+        self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
+        self.calibrating = False  # fp8: set the per-tensor scales from the K/V this forward sees
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor, fp8_max: float = 448.0, headroom: float = 2.0) -> None:
+        self.k_scale.fill_(max(float(k.abs().max()) * headroom / fp8_max, 1e-8))
+        self.v_scale.fill_(max(float(v.abs().max()) * headroom / fp8_max, 1e-8))
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

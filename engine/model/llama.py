@@ -2,71 +2,20 @@
 
 One forward runs every scheduled sequence of a step as one packed batch of tokens (no padding):
 `input_ids`/`positions` are `[num_tokens]`; attention reads and writes the paged cache through the
-kernels in `engine.kernels`. Covers Llama (incl. llama3 RoPE scaling), Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm) and SmolLM. Projections are fused at load time (qkv, gate+up) so a
+kernels in `engine.kernels` (`attention.paged_attention` picks decode or prefill). Covers Llama
+(incl. llama3 RoPE scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and SmolLM. Projections are fused at load time (qkv, gate+up) so a
 layer is four matmuls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class ModelSpec:
-    """What the engine needs to know about a model's shape, read from its HF config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    inv_freq: torch.Tensor
-    rope_scaling: float
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-@dataclass
-class AttentionBatch:
-    """Per-step attention inputs, built once by the runner and shared by every layer."""
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    num_decodes: int  # the first num_decodes tokens are one-token decodes, one per sequence
-    decode_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
-    decode_lens: torch.Tensor  # int32 [num_decodes]: tokens in cache after this step
-    prefill_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
-    prefill_lens: torch.Tensor  # int32 [num_prefills]
-    prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1], over the tokens after the decodes
-
-
-class KVLayer:
-    """One layer's view into the KV allocation (and its scales when quantized)."""
-
-    __slots__ = ("calibrating", "k", "k_scale", "v", "v_scale")
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale=None, v_scale=None) -> None:
-        self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
-        self.calibrating = False  # fp8: set the per-tensor scales from the K/V this forward sees
-
-    def calibrate(self, k: torch.Tensor, v: torch.Tensor, fp8_max: float = 448.0, headroom: float = 2.0) -> None:
-        self.k_scale.fill_(max(float(k.abs().max()) * headroom / fp8_max, 1e-8))
-        self.v_scale.fill_(max(float(v.abs().max()) * headroom / fp8_max, 1e-8))
+from engine.kernels.attention import AttentionBatch, Backend, paged_attention
+from engine.kv.cache import KVLayer
+from engine.model.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,7 +54,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: AttentionBatch,
         kv: KVLayer,
-        kernels: ModuleType,
+        kernels: Backend,
     ) -> torch.Tensor:
         spec = self.spec
         n = x.shape[0]
@@ -120,32 +69,7 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if kv.calibrating:
-            kv.calibrate(k, v)
-        kernels.store_kv(k, v, kv.k, kv.v, batch.slot_mapping, kv.k_scale, kv.v_scale)
-        nd = batch.num_decodes
-        parts = []
-        if nd:
-            parts.append(
-                kernels.paged_decode_attention(
-                    q[:nd], kv.k, kv.v, batch.decode_tables, batch.decode_lens, self.scale, kv.k_scale, kv.v_scale
-                )
-            )
-        if batch.prefill_tables is not None:
-            parts.append(
-                kernels.paged_prefill_attention(
-                    q[nd:],
-                    kv.k,
-                    kv.v,
-                    batch.prefill_tables,
-                    batch.prefill_cu_seqlens_q,
-                    batch.prefill_lens,
-                    self.scale,
-                    kv.k_scale,
-                    kv.v_scale,
-                )
-            )
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        attn = paged_attention(q, k, v, kv, batch, self.scale, kernels)
         x = x + self.o_proj(attn.reshape(n, q_size))
         h = rms_norm(x, self.post_attention_layernorm, spec.rms_norm_eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -179,7 +103,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_layers: list[KVLayer],
-        kernels: ModuleType,
+        kernels: Backend,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_all, sin_all = self.cos_sin

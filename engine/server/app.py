@@ -22,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.config import EngineConfig, context_limit_warning, format_bytes
-from engine.model.loader import log
+from engine.log import log
 from engine.server.config import ServerConfig
 from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
 

@@ -14,7 +14,7 @@ DEFAULT_READ_TIMEOUT = 5.0
 
 
 def default_snapshot_dir() -> Path:
-    from engine.model.loader import cache_dir
+    from engine.paths import cache_dir
 
     return cache_dir() / "snapshots"
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.model.loader import log
+from engine.log import log
 from engine.server.protocol import APIError
 
 

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.llm_engine import LLMEngine
-from engine.model.loader import log
+from engine.log import log
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.config import ServerConfig
