@@ -25,7 +25,7 @@ def build_api(loop: EngineLoop, registry) -> FastAPI:
     s = Serving(loop, getattr(registry, "requests", None))
     app = FastAPI(title="kvtop", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
-    install_openapi(app, __version__)
+    install_openapi(app, __version__, s.served)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(s.require_key)])
     for router in (completions_router(s), chat_router(s), models_router(s)):
         v1.include_router(router)

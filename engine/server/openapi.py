@@ -124,7 +124,13 @@ class Health(BaseModel):
 
 
 ERRORS = {"4XX": {"model": ErrorResponse, "description": "What the client must change (or retry after)"}}
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# each server-sent event (`data:` holds a chunk as JSON, or `[DONE]`), as schemathesis reads events
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    "required": ["data"],
+}
+SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
 def _doc(request: type[BaseModel], response: type[BaseModel]) -> dict:
@@ -143,8 +149,9 @@ MODEL_DOC = {"responses": {200: {"model": ModelCard}, **ERRORS}}
 HEALTH_DOC = {"responses": {200: {"model": Health}, 503: {"model": Health, "description": "Draining or down"}}}
 
 
-def install_openapi(app: FastAPI, version: str) -> None:
-    """`app.openapi()` with the request models added under components/schemas."""
+def install_openapi(app: FastAPI, version: str, served: str) -> None:
+    """`app.openapi()` with the request models added under components/schemas; `model` (in bodies
+    and in /v1/models/{model_id}) is the one name served here, as the server accepts nothing else."""
 
     def openapi() -> dict:
         if app.openapi_schema:
@@ -155,7 +162,10 @@ def install_openapi(app: FastAPI, version: str) -> None:
         for model in (CompletionRequest, ChatCompletionRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
+            js["properties"]["model"] = {"type": "string", "enum": [served], "title": "Model"}
             components[model.__name__] = js
+        for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
+            param["schema"] = {"type": "string", "enum": [served]}
         app.openapi_schema = schema
         return schema
 
