@@ -51,12 +51,14 @@ def _start(frame: dict) -> float:
 
 def _baseline(frame: dict, history: list[dict]) -> dict | None:
     """The oldest frame of the same engine run in the window before `frame`, or None."""
-    ts = _get(frame, "ts")
-    for f in history:
+    ts, start, found = _get(frame, "ts"), _start(frame), None
+    for f in reversed(history):  # newest first: only the window's frames are read
         age = ts - _get(f, "ts")
-        if 0 < age <= WINDOW_S + 1e-9 and abs(_start(f) - _start(frame)) < 1.0:
-            return f
-    return None
+        if age > WINDOW_S + 1e-9 or abs(_start(f) - start) >= 1.0:
+            break
+        if age > 0:
+            found = f
+    return found
 
 
 def _rate(frame: dict, then: dict | None, path: str) -> tuple[float, float] | None:

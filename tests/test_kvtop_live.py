@@ -312,7 +312,8 @@ async def test_drain_then_resume(server: Engine):
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
         await until(pilot, lambda: state() == "running", "the engine to resume")
-        assert "● running" in text(app.query_one(EngineHeader))
+        # the frame is polled in a worker: the header shows it once the app has handled it
+        await until(pilot, lambda: "● running" in text(app.query_one(EngineHeader)), "the header to say so")
 
 
 @pytest.mark.anyio

@@ -16,10 +16,9 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
-from textual.widgets import Static
 
 from kvtop.widgets import fmt
-from kvtop.widgets.view import View
+from kvtop.widgets.view import LinesStatic, View
 
 PRIORITY = "suoc."  # tie-break for the dominant state: the busier state wins
 DENSITY = ((0.0, "."), (1 / 3, "░"), (2 / 3, "▒"), (0.999, "▓"), (1.0, "█"))
@@ -76,7 +75,7 @@ class BlockMap(VerticalScroll):
         self.border_title = "Block map"
 
     def compose(self) -> ComposeResult:
-        yield Static(id="block-grid")
+        yield LinesStatic(id="block-grid")
 
     def fit_per_cell(self, nblocks: int, width: int, height: int) -> int:
         cells = max(1, width * max(1, height))
@@ -109,7 +108,7 @@ class BlockMap(VerticalScroll):
         self.border_title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
         sel = f"{view.state.selected_seq}: {len(highlight)} blocks" if highlight else ""
         self.border_subtitle = Content(sel)  # the id is a client's or a file's: never markup
-        self.query_one("#block-grid", Static).update(fmt.lines(out))
+        self.query_one("#block-grid", LinesStatic).paint(fmt.lines(out), layout=True)
 
     def zoom(self, direction: int) -> None:
         """+1 halves the blocks per cell (down to one), -1 doubles them (up to fitting the panel)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from rich.text import Text
+from rich.text import Span, Text
 
 SPARK = "▁▂▃▄▅▆▇█"
 NONE = "–"  # no data yet (never 0: a zero is a measurement)
@@ -119,4 +119,18 @@ def lines(rows: list[Text | str], height: int | None = None) -> Text:
     out = Text("\n").join(Text(r) if isinstance(r, str) else r for r in rows)
     out.no_wrap = True
     out.overflow = "ellipsis"
-    return out
+    return merge_spans(out)
+
+
+def merge_spans(text: Text) -> Text:
+    """`text` with touching spans of the same style made one: a bar drawn a cell at a time is one
+    span, not forty (Textual's cost of drawing a panel grows with its spans)."""
+    merged: list[Span] = []
+    for span in text.spans:
+        last = merged[-1] if merged else None
+        if last is not None and last.style == span.style and last.end == span.start:
+            merged[-1] = Span(last.start, span.end, last.style)
+        else:
+            merged.append(span)
+    text.spans = merged
+    return text

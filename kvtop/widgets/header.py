@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 
 from rich.text import Text
-from textual.widgets import Static
 
 from kvtop.diagnosis import diagnose
 from kvtop.widgets import fmt, series
-from kvtop.widgets.view import View
+from kvtop.widgets.view import LinesStatic, View
 
 STATE_STYLES = {"running": "bold green", "draining": "bold yellow", "drained": "bold red"}
 REJECT_CODES = {"queue_full": "429", "draining": "503"}
@@ -87,7 +86,7 @@ def glance_line(view: View, stale: bool) -> Text:
     return line
 
 
-class EngineHeader(Static):
+class EngineHeader(LinesStatic):
     """Line 1: model, device, engine state, uptime, steps/s. Line 2: the source's status.
     Line 3: requests running / waiting, rejections, the diagnosis."""
 
@@ -105,7 +104,4 @@ class EngineHeader(Static):
         for row in rows:
             row.no_wrap = True
             row.overflow = "ellipsis"
-        content = Text("\n").join(rows)
-        if content != getattr(self, "_shown", None):  # the same three lines: nothing to repaint
-            self._shown = content
-            self.update(content)
+        self.paint(Text("\n").join(rows))

@@ -61,6 +61,21 @@ def visible(sequences: list[dict], text: str, column: str, reverse: bool) -> lis
     return sorted(known, key=key, reverse=reverse) + missing
 
 
+def row_cells(s: dict, id_width: int) -> list[Text]:
+    """A sequence's cells, in COLUMNS order."""
+    cells = []
+    for key, (_, field, formatter) in COLUMNS.items():
+        v = s.get(field)
+        text = "-" if v is None else short_id(v, id_width) if key == "id" else formatter(v)
+        if key == "state":
+            cells.append(Text(text, STATE_STYLES.get(text, "")))
+        elif key == "id":
+            cells.append(Text(text))  # a str cell would be read as markup
+        else:
+            cells.append(Text(text, justify="right"))
+    return cells
+
+
 class SequencesTable(DataTable):
     """The table itself; row keys are sequence ids. Enter opens the row's details (a click only selects)."""
 
@@ -90,6 +105,7 @@ class SequencesPanel(Vertical):
         self.view: View | None = None
         self.border_title = "Sequences"
         self._syncing = False
+        self._built: list[tuple[str, list[Text]]] | None = None  # the rows in the table now
 
     def compose(self) -> ComposeResult:
         table = SequencesTable(cursor_type="row", zebra_stripes=False, id="seq-table")
@@ -116,19 +132,19 @@ class SequencesPanel(Vertical):
         id_width = min(40, max(ID_WIDTH, self.size.width - 78))  # wide panels show whole ids
         self._syncing = True
         try:
-            table.clear()
-            for s in rows:
-                cells = []
-                for key, (_, field, formatter) in COLUMNS.items():
-                    v = s.get(field)
-                    text = "-" if v is None else short_id(v, id_width) if key == "id" else formatter(v)
-                    if key == "state":
-                        cells.append(Text(text, STATE_STYLES.get(text, "")))
-                    elif key == "id":
-                        cells.append(Text(text))  # a str cell would be read as markup
-                    else:
-                        cells.append(Text(text, justify="right"))
-                table.add_row(*cells, key=s["id"])
+            built = [(s["id"], row_cells(s, id_width)) for s in rows]
+            before, self._built = self._built, built
+            if before is not None and [k for k, _ in before] == [k for k, _ in built]:
+                # the same rows in the same order: only the cells that changed (a rebuild costs a
+                # new layout each frame, and an idle engine's table is not touched at all)
+                for (key, cells), (_, was) in zip(built, before):
+                    for column, cell, old in zip(COLUMNS, cells, was):
+                        if cell != old:
+                            table.update_cell(key, column, cell, update_width=True)
+            else:
+                table.clear()
+                for key, cells in built:
+                    table.add_row(*cells, key=key)
             ids = [s["id"] for s in rows]
             if st.selected_seq in ids:
                 table.move_cursor(row=ids.index(st.selected_seq), animate=False, scroll=False)

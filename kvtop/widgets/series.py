@@ -6,14 +6,20 @@ ratios. Both live and replay hand the panels the frames up to the one shown, old
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import pairwise
+
+
+@functools.lru_cache(maxsize=256)
+def _keys(path: str) -> tuple[str, ...]:
+    return tuple(path.split("."))
 
 
 def get(frame: dict, path: str, default: float = 0.0) -> float:
     """`frame["a"]["b"]` for path "a.b", or `default` where a key is missing or null."""
     node: object = frame
-    for key in path.split("."):
+    for key in _keys(path):
         if not isinstance(node, dict) or node.get(key) is None:
             return default
         node = node[key]
@@ -51,29 +57,26 @@ def engine_start(frame: dict) -> float:
     return get(frame, "ts") - get(frame, "engine.uptime_s")
 
 
-def same_run(history: list[dict]) -> list[dict]:
-    """The frames since the engine last restarted (counters of an earlier run are not comparable)."""
-    if not history:
-        return history
-    start = engine_start(history[-1])
-    i = len(history)
-    while i > 0 and abs(engine_start(history[i - 1]) - start) < 1.0:
-        i -= 1
-    return history[i:]
-
-
 def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float | None:
     """Average per-second increase over the last `span_s` seconds of frames (or since the frame
     before the last, where frames are further apart than that); None where there is no earlier
-    frame of the same engine run to compare with."""
-    run = same_run(history)
-    if len(run) < 2:
+    frame of the same engine run to compare with (a restart begins its counters again)."""
+    if len(history) < 2:
         return None
-    last = run[-1]
-    earlier = [f for f in run if f["ts"] < last["ts"]]
-    if not earlier:
+    last = history[-1]
+    start, since = engine_start(last), last["ts"] - span_s
+    first = None
+    for i in range(len(history) - 2, -1, -1):  # newest first: only the last few seconds are read
+        f = history[i]
+        if abs(engine_start(f) - start) >= 1.0:
+            break
+        if f["ts"] >= last["ts"]:
+            continue
+        if first is not None and f["ts"] < since:
+            break
+        first = f
+    if first is None:
         return None
-    first = next((f for f in earlier if f["ts"] >= last["ts"] - span_s), earlier[-1])
     dt = last["ts"] - first["ts"]
     delta = get(last, path) - get(first, path)
     return max(delta, 0.0) / dt if dt > 0 else None

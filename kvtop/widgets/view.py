@@ -8,8 +8,11 @@ lives on the app so that it survives the layout being rebuilt when the terminal 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Self
 
 from rich.console import RenderableType
+from rich.text import Text
+from textual.geometry import Region
 from textual.widgets import Static
 
 SORT_COLUMNS = ("id", "state", "prompt", "output", "cached", "blocks", "kv", "age", "ttft", "itl")
@@ -34,7 +37,42 @@ class View:
     state: ViewState = field(default_factory=ViewState)
 
 
-class Panel(Static):
+class LinesStatic(Static):
+    """A Static of fixed size that repaints only the lines that changed.
+
+    `Static.update` marks the whole widget dirty, so each frame would re-render every line of
+    every panel (most of kvtop's CPU). `paint` compares the new text with the last line by line
+    and hands Textual just the changed lines; identical text repaints nothing.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._drawn: RenderableType | None = None
+        self._dirty_lines: list[Region] | None = None
+
+    def paint(self, content: RenderableType, layout: bool = False) -> None:
+        """Show `content`; `layout` where the widget's height follows its number of lines."""
+        old, self._drawn = self._drawn, content
+        if isinstance(old, Text) and isinstance(content, Text):
+            before, after = old.split("\n", allow_blank=True), content.split("\n", allow_blank=True)
+            if len(before) == len(after):
+                width = max(1, self.size.width)
+                self._dirty_lines = [Region(0, y, width, 1) for y, (a, b) in enumerate(zip(before, after)) if a != b]
+                if not self._dirty_lines:
+                    self._dirty_lines = None
+                    return
+        try:
+            self.update(content, layout=layout and self._dirty_lines is None)
+        finally:
+            self._dirty_lines = None
+
+    def refresh(self, *regions: Region, **kwargs) -> Self:
+        if not regions and self._dirty_lines and not kwargs.get("layout"):
+            regions = tuple(self._dirty_lines)
+        return super().refresh(*regions, **kwargs)
+
+
+class Panel(LinesStatic):
     """A bordered panel that redraws itself from a View (and again when resized)."""
 
     DEFAULT_CLASSES = "panel"
@@ -48,7 +86,7 @@ class Panel(Static):
     def show(self, view: View) -> None:
         self.view = view
         if self.size.width:
-            self.update(self.draw(view, max(1, self.content_size.width), max(1, self.content_size.height)))
+            self.paint(self.draw(view, max(1, self.content_size.width), max(1, self.content_size.height)))
 
     def draw(self, view: View, width: int, height: int) -> RenderableType:
         raise NotImplementedError
