@@ -16,7 +16,9 @@ from collections import deque
 
 import torch
 
+from engine.calibration import calibrate_fp8
 from engine.config import EngineConfig, format_bytes
+from engine.devices import TORCH_DTYPES, kv_memory_bytes, resolve_device, resolve_dtype
 from engine.errors import ConfigError, EngineDrainingError, InvalidRequestError
 from engine.faults import FaultInjector
 from engine.kernels import get_backend, resolve_backend_name
@@ -31,21 +33,10 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
+from engine.stopping import stop_reason
+from engine.validation import PromptLimits
 
-CPU_DEFAULT_KV_MEMORY = 256 * 1024**2
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return TORCH_DTYPES[dtype]
+__all__ = ["TORCH_DTYPES", "LLMEngine", "resolve_device", "resolve_dtype"]  # the first three moved to devices.py
 
 
 class LLMEngine:
@@ -66,7 +57,7 @@ class LLMEngine:
         kernels = get_backend(config.attention_backend, self.device)
         self.kv = KVCache.allocate(
             self.spec,
-            self._kv_memory_bytes(),
+            kv_memory_bytes(config, self.device, self.spec.hidden_size),
             config.block_size,
             config.kv_cache_dtype,
             self.dtype,
@@ -88,10 +79,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
         if config.kv_cache_dtype == "fp8_e4m3":
-            self._calibrate_fp8()
+            calibrate_fp8(self.runner, self.tokenizer)
         self.metrics = Metrics()
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.max_seq_len = min(self.max_model_len, self.kv.num_blocks * config.block_size)
+        self.limits = PromptLimits(self.spec.vocab_size, self.max_model_len, self.kv.num_blocks * config.block_size)
+        self.max_seq_len = self.limits.max_seq_len
         self.state = "running"
         self.step_count = 0
         self.seqs: dict[str, Sequence] = {}  # every unfinished request
@@ -106,39 +98,6 @@ class LLMEngine:
         self.load_seconds = time.time() - t0
         if not quiet:
             log(self.summary())
-
-    def _calibrate_fp8(self) -> None:
-        """fp8 keeps one scale per tensor: fit it to what this model's K and V look like (with
-        2x headroom) on a short calibration text, so small values do not fall into subnormals."""
-        from engine.scheduler import ScheduledBatch
-
-        text = (
-            "The key and value cache holds, for every past token, what attention needs to look back. "
-            "Its size grows with layers, heads, head size, context length and the number of requests."
-        )
-        ids = self.tokenizer.encode(text)[: self.kv.num_blocks * self.kv.block_size - 1]
-        seq = Sequence("calibration", ids, SamplingParams(max_tokens=1))
-        seq.block_table = list(range(-(-len(ids) // self.kv.block_size)))
-        for layer in self.kv.layers:
-            layer.calibrating = True
-        try:
-            self.runner.execute(ScheduledBatch(seqs=[seq], num_new_tokens=[len(ids)]))
-        finally:
-            for layer in self.kv.layers:
-                layer.calibrating = False
-        self.kv.data.zero_()
-
-    # ---- sizing --------------------------------------------------------------------------
-    def _kv_memory_bytes(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return int(self.config.kv_cache_memory)
-        if not self.device.startswith("cuda"):
-            return CPU_DEFAULT_KV_MEMORY
-        free, total = torch.cuda.mem_get_info()
-        # what this process may take in all, less what is already taken (weights, other processes)
-        budget = total * self.config.gpu_memory_utilization - (total - free)
-        activation_reserve = self.config.max_num_batched_tokens * self.spec.hidden_size * 4 * 16
-        return max(0, int(budget - activation_reserve))
 
     def summary(self) -> str:
         kv = self.kv
@@ -170,18 +129,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.state != "running":
             raise EngineDrainingError(f"engine is {self.state}: not admitting new requests (resume to admit)")
-        if isinstance(prompt, str) and not prompt:
+        if isinstance(prompt, str) and not prompt:  # before the tokenizer adds a BOS to it
             raise InvalidRequestError("prompt is empty")
         token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.spec.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.spec.vocab_size})")
-        if len(token_ids) >= self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but at most {self.max_seq_len - 1} fit "
-                f"(max_model_len={self.max_model_len}, KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens)"
-            )
+        self.limits.check(token_ids)
         request_id = request_id or f"req-{next(self._ids)}"
         seq = Sequence(
             request_id,
@@ -207,6 +158,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the scheduler or added since the last step."""
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -342,23 +297,9 @@ class LLMEngine:
             m.itls.append(itl)
             self.metrics.itl.observe(itl, now)
         m.last_token_time = now
-        p = seq.params
-        if not p.ignore_eos and (token in self.eos_token_ids or token in p.stop_token_ids):
-            self._finish(seq, "stop", "eos")
-        elif p.stop and self._hit_stop_string(seq):
-            self._finish(seq, "stop", "stop string")
-        elif seq.num_output_tokens >= p.max_tokens:
-            self._finish(seq, "length", "max_tokens")
-        elif seq.num_tokens >= self.max_seq_len:
-            self._finish(seq, "length", "max_model_len" if seq.num_tokens >= self.max_model_len else "KV cache full")
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.decode(seq.output_token_ids)
-        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if cut < 0:
-            return False
-        seq.stop_text_len = cut
-        return True
+        stop = stop_reason(seq, token, self.eos_token_ids, self.max_seq_len, self.max_model_len, self.decode)
+        if stop is not None:
+            self._finish(seq, *stop)
 
     def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
         self.scheduler.finish(seq)

@@ -178,7 +178,7 @@ def plan(
     where the weights or the budget do not fit."""
     import torch
 
-    from engine.llm_engine import TORCH_DTYPES  # the engine's own name -> dtype map
+    from engine.devices import TORCH_DTYPES  # the engine's own name -> dtype map
 
     spec, _ = spec_for(model)
     torch_dtype = TORCH_DTYPES[dtype]

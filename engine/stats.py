@@ -47,7 +47,7 @@ def build_frame(engine: LLMEngine) -> dict:
         "sequences": sequences,
         "scheduler": {
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(engine._inbox),
+            "waiting": engine.num_waiting(),
             "swapped": len(sched.swapped),
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
