@@ -3,6 +3,10 @@ own parser from a real `kvctl serve` on the tiny model."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -93,3 +97,19 @@ def test_saved_prefill_seconds_is_a_counter_that_never_goes_down(server):
         assert families["kvtop_prefix_cache_saved_prefill_seconds"].type == "counter"
         seen.append(value(families, "kvtop_prefix_cache_saved_prefill_seconds", "_total"))
     assert seen == sorted(seen) and seen[-1] > 0
+
+
+def test_grafana_dashboard_reads_only_names_kvtop_and_vllm_share(server):
+    """docs/grafana-dashboard.json swaps `prefix` between kvtop_ and vllm:; each series it queries
+    must exist here under kvtop_ and be one of the names that mean the same as vLLM's."""
+    server.openai().completions.create(model=server.model, prompt="Hello", max_tokens=2)
+    dashboard = json.loads((Path(__file__).parents[1] / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\$\{prefix\}(\w+)", e)}
+    assert len(used) >= 15
+    samples = {s.name for f in scrape(server).values() for s in f.samples}
+    for name in used:
+        assert "kvtop_" + name in samples, name
+        base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+        assert base in VLLM_NAMES or base + "_total" in VLLM_NAMES, name
+    assert all('model_name="$model_name"' in e for e in exprs)
