@@ -7,6 +7,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kv.block_manager import BlockManager
 from engine.sampling import SamplingParams as SP
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from tests.helpers import random_prompts
 
@@ -102,7 +103,7 @@ def test_no_write_into_a_shared_block(tiny_dir):
     assert saw_shared
 
 
-def test_lpm_policy_same_outputs_and_nothing_starves(tiny_dir):
+def test_lpm_policy_same_outputs_and_cached_prefixes_first(tiny_dir):
     prompts = questions(4, seed=3) + random_prompts(4, (20, 60), seed=4)
     fcfs = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="4MiB", max_num_seqs=2, quiet=True)
     lpm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="4MiB", max_num_seqs=2, schedule_policy="lpm", quiet=True)
@@ -115,3 +116,30 @@ def test_lpm_policy_same_outputs_and_nothing_starves(tiny_dir):
     # lpm served the cached-prefix questions first
     first_tokens = sorted(a, key=lambda o: o.metrics.first_token_time)
     assert all(o.cached_tokens > 0 for o in first_tokens[:4])
+
+
+def _lpm_steps_until_served(max_skips: int, steps: int = 60) -> int | None:
+    """One slot; every step a new request sharing a cached 8-token prefix arrives beside a request
+    with no cached prefix. lpm serves the cached ones first: the step the loner ran, or None."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, policy="lpm", lpm_max_skips=max_skips)
+    shared = list(range(1000, 1008))
+    loner = Sequence("loner", list(range(5000, 5010)), SP(max_tokens=1))
+    sched.add(Sequence("warm", [*shared, 1], SP(max_tokens=1)))
+    sched.add(loner)
+    for step in range(steps):
+        sched.add(Sequence(f"hit-{step}", [*shared, 2000 + step], SP(max_tokens=1)))
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            s.num_computed_tokens += n
+            bm.commit_full_blocks(s)
+            sched.finish(s)  # each request is one prefill here: done, its prefix blocks stay cached
+        if loner in batch.seqs:
+            return step
+    return None
+
+
+def test_lpm_skip_bound_serves_a_request_that_would_starve_without_it():
+    assert _lpm_steps_until_served(max_skips=10**9) is None  # unbounded: 60 steps, never served
+    served = _lpm_steps_until_served(max_skips=16)
+    assert served is not None and served <= 17
