@@ -51,7 +51,11 @@ def prefill_case(kind, heads, kv_heads, head_dim, block_size=16, dtype=torch.flo
     return args, cache.scales()
 
 
-PHASES = {"decode": (decode_case, "paged_decode_attention"), "prefill": (prefill_case, "paged_prefill_attention")}
+# (case maker, the C++ kernel, its oracle)
+PHASES = {
+    "decode": (decode_case, cpu.paged_decode_attention, ref.paged_decode_attention),
+    "prefill": (prefill_case, cpu.inplace_prefill_attention, ref.paged_prefill_attention),
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -69,27 +73,38 @@ def test_decode_matches_reference(kind, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_with_cached_prefix_matches_reference(kind, heads, kv_heads, head_dim):
     args, scales = prefill_case(kind, heads, kv_heads, head_dim, seed=head_dim * heads)
-    out = cpu.paged_prefill_attention(*args, **scales)
+    out = cpu.inplace_prefill_attention(*args, **scales)
     assert out.shape == args[0].shape and out.dtype == torch.float32
     torch.testing.assert_close(out, ref.paged_prefill_attention(*args, **scales), **FP32_TOL)
+
+
+@pytest.mark.parametrize("new_tokens", [1, cpu.SHORT_CHUNK, cpu.SHORT_CHUNK + 1, 40])
+def test_prefill_on_either_side_of_the_short_chunk_rule_matches_reference(new_tokens):
+    """The backend's prefill takes the C++ kernel for short chunks and the reference's SDPA for
+    long ones; either way, the reference's output."""
+    lens = [new_tokens, 37 + new_tokens, 300 + new_tokens]
+    cache = Paged(lens, 16, 3, 64, seed=new_tokens)
+    q = strided_q(3 * new_tokens, 9, 64, seed=new_tokens)
+    args = (q, *cache.cache_args(), cache.block_tables, cu_seqlens([new_tokens] * 3), cache.seq_lens, 0.125)
+    torch.testing.assert_close(cpu.paged_prefill_attention(*args), ref.paged_prefill_attention(*args), **FP32_TOL)
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_other_block_sizes(phase, block_size):
-    case, kernel = PHASES[phase]
+    case, kernel, oracle = PHASES[phase]
     args, _ = case("auto", 9, 3, 64, block_size=block_size, seed=block_size)
-    torch.testing.assert_close(getattr(cpu, kernel)(*args), getattr(ref, kernel)(*args), **FP32_TOL)
+    torch.testing.assert_close(kernel(*args), oracle(*args), **FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_16_bit_matches_reference(phase, dtype):
-    case, kernel = PHASES[phase]
+    case, kernel, oracle = PHASES[phase]
     args, _ = case("auto", 9, 3, 64, dtype=dtype, seed=3)
-    out = getattr(cpu, kernel)(*args)
+    out = kernel(*args)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), getattr(ref, kernel)(*args).float(), **BF16_TOL)
+    torch.testing.assert_close(out.float(), oracle(*args).float(), **BF16_TOL)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -121,7 +136,7 @@ def test_attention_never_reads_past_seq_len(kind):
     want = ref.paged_decode_attention(q[: len(lens)], clean["k"], clean["v"], tables, seq_lens, 0.125, **clean_scales)
     torch.testing.assert_close(out, want, **FP32_TOL)
     cu = cu_seqlens(q_lens)
-    out = cpu.paged_prefill_attention(q, *cache.cache_args(), tables, cu, seq_lens, 0.125, **cache.scales())
+    out = cpu.inplace_prefill_attention(q, *cache.cache_args(), tables, cu, seq_lens, 0.125, **cache.scales())
     want = ref.paged_prefill_attention(q, clean["k"], clean["v"], tables, cu, seq_lens, 0.125, **clean_scales)
     torch.testing.assert_close(out, want, **FP32_TOL)
 

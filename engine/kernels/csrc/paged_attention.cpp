@@ -29,6 +29,7 @@
 namespace {
 
 constexpr int64_t kTileTokens = 16;
+constexpr int64_t kTileRows = 12, kTileBlock = 16;  // prefill tiles of this many rows, blocks of 16: tile_scores
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // fp8 e4m3 to float through a table: the bit-level conversion does not vectorize.
@@ -136,12 +137,41 @@ struct CacheView {
 
 // Per-thread buffers, sized once per parallel chunk.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, kbuf, vbuf;
+  std::vector<float> q, acc, scores, m, l, kbuf, vbuf, kt;
   std::vector<int64_t> limit;
   Scratch(int64_t rows, int64_t block_size, int64_t d)
       : q(rows * d), acc(rows * d), scores(rows * block_size), m(rows), l(rows), kbuf(block_size * d),
-        vbuf(block_size * d), limit(rows) {}
+        vbuf(block_size * d), kt(block_size * d), limit(rows) {}
 };
+
+// A prefill tile's scores against one block of 16 keys: K transposed once, then each row's 16
+// scores are one vector accumulated along the head dim, with no horizontal sum per (row, key)
+// as a dot product needs. Scores past n are junk the caller never reads.
+inline void tile_scores(const float* __restrict k, int64_t kstride, int64_t n, int64_t d, const float* __restrict q,
+                        int64_t rows, float* __restrict kt, float* __restrict scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < d; ++i) kt[i * kTileBlock + j] = k[j * kstride + i];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kTileBlock] = {};
+    const float* qr = q + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t j = 0; j < kTileBlock; ++j) acc[j] += qr[i] * kt[i * kTileBlock + j];
+    }
+    std::copy(acc, acc + kTileBlock, scores + r * kTileBlock);
+  }
+}
+
+template <int kD>
+inline void row_pv(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t n, int64_t dd,
+                   float* __restrict acc) {
+  const int64_t d = kD > 0 ? kD : dd;
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += p[j] * v[j * vstride + i];
+  }
+}
 
 // Rows of one block for one head as fp32: the cache itself when it is fp32, else a dequantized copy.
 template <typename T>
@@ -183,10 +213,14 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
     }
     int64_t kstride, vstride;
     const float* k = block_rows<T>(kc, block, head, n, d, s.kbuf.data(), &kstride);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = k + j * kstride;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (s.limit[r] - start > j) s.scores[r * block_size + j] = dot(s.q.data() + r * d, kr, d);
+    if (rows >= kTileRows && block_size == kTileBlock) {
+      tile_scores(k, kstride, n, d, s.q.data(), rows, s.kt.data(), s.scores.data());
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = k + j * kstride;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (s.limit[r] - start > j) s.scores[r * block_size + j] = dot(s.q.data() + r * d, kr, d);
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -204,6 +238,13 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
       }
     }
     const float* v = block_rows<T>(vc, block, head, n, d, s.vbuf.data(), &vstride);
+    if (rows >= kTileRows) {  // row-major: each row's accumulator stays in registers over the block
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
+        row_pv<kD>(s.scores.data() + r * block_size, v, vstride, visible, d, s.acc.data() + r * d);
+      }
+      continue;
+    }
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = v + j * vstride;
       for (int64_t r = 0; r < rows; ++r) {
