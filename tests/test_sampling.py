@@ -141,3 +141,19 @@ def test_seeded_sampling_with_penalties_is_reproducible_whatever_the_batch(tiny_
     crowd_params = [SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.1, ignore_eos=True)] * 4
     crowded = tiny_llm.generate([*others[:2], target, *others[2:]], [*crowd_params[:2], params, *crowd_params[2:]])
     assert crowded[2].token_ids == alone
+
+
+def test_logprobs_carry_the_k_most_likely_tokens():
+    """Each row's log-prob carries its own k most likely tokens of the model's distribution, most
+    likely first (what `logprobs: k` / `top_logprobs: k` return)."""
+    from engine.sampling import Logprob, sample
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]] * 3)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0, seed=1)]  # fmt: skip
+    tokens, lps = sample(logits, params, [None, None, torch.Generator().manual_seed(1)])
+    full = torch.log_softmax(logits[0], dim=-1)
+    assert tokens[:2] == [1, 1] and isinstance(lps[0], Logprob)
+    assert [t for t, _ in lps[0].top] == [1, 3, 2]
+    assert [v for _, v in lps[0].top] == pytest.approx(full[[1, 3, 2]].tolist())
+    assert lps[0] == pytest.approx(full[1].item()) and lps[1].top == ()
