@@ -1,0 +1,54 @@
+"""The source interface: what every kind of frame source gives the dashboard.
+
+The app drives any source the same way: `poll()` in a worker thread, then `current`, `history()`
+and `events()` to draw, and `next_delay()` to re-arm its timer, so polls never overlap (dolphie's
+pattern). One module per kind: `live` (our engine's control socket), `replay` (a `.kvsnap`),
+`metrics` (any engine's Prometheus `/metrics`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
+NOTABLE_EVENTS = (
+    "preempted", "swapped", "evicted", "prefix_evicted", "drain_started", "drain_finished", "resumed",
+    "aborted", "failed", "step_failed", "snapshot", "engine_restarted",
+)  # fmt: skip
+BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: first to go, shown as one line
+EVENTS_KEPT = 2000
+PREFILL_S = 120.0  # on connecting, frames this far back are taken from the engine's /v1/history
+HISTORY_BYTES, HISTORY_FRAMES = 16 * 1024**2, 400  # replay: what sparklines read back at most (then thinned)
+CHECK_AT_OPEN, CHECK_BYTES_AT_OPEN = 32, 8 * 1024**2  # replay: frames checked before the dashboard starts
+
+
+class SourceUnavailable(Exception):
+    """The source cannot give a frame now (the engine is down or refused); try again later."""
+
+
+class FrameSource(ABC):
+    """The dashboard's view of a run of stats frames."""
+
+    supports_actions = False
+
+    def __init__(self) -> None:
+        self.current: dict | None = None
+
+    @abstractmethod
+    def poll(self) -> dict | None:
+        """Blocking: the frame to show now, or None if nothing changed. Raises SourceUnavailable."""
+
+    @abstractmethod
+    def history(self, seconds: float = HISTORY_S) -> list[dict]:
+        """Frames up to and including the current one, the last `seconds` of them, oldest first."""
+
+    @abstractmethod
+    def events(self) -> list[dict]:
+        """Events up to the current frame, oldest first."""
+
+    @abstractmethod
+    def next_delay(self) -> float:
+        """Seconds until the next poll."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
