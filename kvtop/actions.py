@@ -122,10 +122,19 @@ class SequenceActions:
 
     def action_filter(self) -> None:
         """`/` (a priority key): the filter box has the keyboard before the next key is read."""
-        if self._sequences() is None:
-            return
-        self.base.query_one(Dashboard).show_tab(2)
-        self._sequences().open_filter()
+        if panel := self._sequences():
+            self.base.query_one(Dashboard).show_tab(2)
+            panel.open_filter()
+
+    @property
+    def filtering(self) -> bool:
+        """The filter box has the keyboard (enter and esc then close it)."""
+        panel = self._sequences() if self.screen_stack and self.screen is self.base else None
+        return panel is not None and panel.filtering
+
+    def action_filter_done(self, keep: bool) -> None:
+        if panel := self._sequences():
+            panel.close_filter(keep)
 
     def action_cursor(self, step: int) -> None:
         if panel := self._sequences():

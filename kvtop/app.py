@@ -27,7 +27,15 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input
 
 from kvtop.actions import OperatorActions, SequenceActions
-from kvtop.keys import DASHBOARD_ACTIONS, LIVE_ACTIONS, LIVE_KEYS, REPLAY_ACTIONS, REPLAY_KEYS, VIEW_KEYS
+from kvtop.keys import (
+    DASHBOARD_ACTIONS,
+    FILTER_KEYS,
+    LIVE_ACTIONS,
+    LIVE_KEYS,
+    REPLAY_ACTIONS,
+    REPLAY_KEYS,
+    VIEW_KEYS,
+)
 from kvtop.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
 from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
 from kvtop.widgets import fmt
@@ -46,7 +54,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"
     ENABLE_COMMAND_PALETTE = False  # every command is a key; the footer needs the room
-    BINDINGS: ClassVar[list[BindingType]] = [*VIEW_KEYS, *LIVE_KEYS, *REPLAY_KEYS]
+    BINDINGS: ClassVar[list[BindingType]] = [*VIEW_KEYS, *FILTER_KEYS, *LIVE_KEYS, *REPLAY_KEYS]
 
     def __init__(self, source: FrameSource, readonly: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -123,6 +131,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @on(FrameArrived)
     def _frame(self) -> None:
+        if not self.screen_stack:  # a poll that lands while the app closes: nothing to draw on
+            return
         self.poll_error = None
         self.base.query_one(Dashboard).remove_class("-stale")
         self.redraw()
@@ -130,12 +140,16 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @on(PollIdle)
     def _idle(self) -> None:
+        if not self.screen_stack:
+            return
         if self.replay:
             self.base.query_one(Timeline).show(self.replay)
         self._schedule(self.source.next_delay())
 
     @on(SourceLost)
     def _lost(self, message: SourceLost) -> None:
+        if not self.screen_stack:
+            return
         self.poll_error = message.error
         self.base.query_one(Dashboard).add_class("-stale")
         self.redraw()
@@ -217,6 +231,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "quit_now":  # ctrl+c, F10: from anywhere
             return True
+        if action == "filter_done":
+            return self.filtering
         if action in LIVE_ACTIONS and not self.can_act:
             return False
         if action in REPLAY_ACTIONS and self.replay is None:

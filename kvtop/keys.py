@@ -43,6 +43,11 @@ VIEW_KEYS = [
         for i in range(1, 6)
     ),
 ]
+# enter and esc in the filter box: priority keys, so that the keys typed after them are read as keys
+FILTER_KEYS = [
+    Binding("enter", "filter_done(True)", "Keep filter", show=False, priority=True),
+    Binding("escape", "filter_done(False)", "Clear filter", show=False, priority=True),
+]
 LIVE_KEYS = [
     Binding("d", "drain", "Drain", tooltip="drain: stop admitting, let requests finish (y confirms)"),
     Binding("r", "resume", "Resume", tooltip="resume admitting requests (y confirms)"),
@@ -64,4 +69,4 @@ REPLAY_KEYS = [
 LIVE_ACTIONS = {b.action for b in LIVE_KEYS}
 REPLAY_ACTIONS = {b.action.split("(")[0] for b in REPLAY_KEYS}
 # the dashboard's own actions (not Textual's, such as tab's focus_next, which dialogs need)
-DASHBOARD_ACTIONS = {b.action.split("(")[0] for b in [*VIEW_KEYS, *LIVE_KEYS, *REPLAY_KEYS]}
+DASHBOARD_ACTIONS = {b.action.split("(")[0] for b in [*VIEW_KEYS, *FILTER_KEYS, *LIVE_KEYS, *REPLAY_KEYS]}

@@ -1,10 +1,8 @@
-"""kvtop's keys against a real `kvctl serve` (tiny model) under real load: nothing typed by
-accident reaches the engine (issue #10), the htop/k9s habits (quit keys, j/k, enter for a
-sequence's details, a sort picker), and ids or filter text that look like markup (issue #11).
-
-Type-ahead is sent two ways: `pilot.press`, which waits for each key to be handled, and
-`burst`, which hands the app every key at once as a terminal read of several bytes does (tmux
-send-keys, a paste, a fast typist on a slow link) — the case that drained a live engine."""
+"""kvtop's keys against a real `kvctl serve` (tiny model) under load: nothing typed by accident
+reaches the engine (issue #10), htop/k9s habits (quit keys, j/k, details, sort picker), and ids
+or filter text that look like markup (issue #11). Type-ahead is sent with `pilot.press` (each key
+handled before the next) and with `burst`: every key at once, as a terminal read of several bytes
+delivers them (tmux send-keys, a paste, a slow link) — the case that drained a live engine."""
 
 from __future__ import annotations
 
@@ -81,8 +79,7 @@ async def test_keys_typed_after_slash_go_to_the_filter_never_to_an_action(server
     async with app.run_test(size=SIZE) as pilot:
         await busy(pilot, app)
         await pilot.press("slash", "x", "d")
-        assert app.state.filter == "xd"
-        assert app.screen is app.base, "a key typed after / opened a dialog"
+        assert app.state.filter == "xd" and app.screen is app.base, "a key typed after / opened a dialog"
         await pilot.press("escape")
         assert app.state.filter == "" and isinstance(app.focused, SequencesTable)
 
@@ -99,8 +96,11 @@ async def test_keys_typed_after_slash_go_to_the_filter_never_to_an_action(server
         burst(app, "slash", "5", "d", "0", "enter")  # the burst that drained a live engine
         await until(pilot, lambda: app.state.filter == "5d0" and isinstance(app.focused, SequencesTable), "enter")
         await pilot.pause(0.5)  # and anything that would come after it
-        assert app.state.filter == "5d0" and app.screen is app.base
-        assert engine_state(server) == "running"
+        assert app.state.filter == "5d0" and app.screen is app.base and engine_state(server) == "running"
+
+        burst(app, "slash", "escape", "slash", "a", "b", "enter", "question_mark")  # after enter: keys again
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), "? after the filter's enter")
+        await until(pilot, lambda: app.state.filter == "ab", "the filter text")
 
 
 @pytest.mark.anyio
@@ -242,7 +242,8 @@ async def test_j_k_move_the_cursor_and_enter_opens_the_details(server: Engine):
         detail = text(app.screen.query_one("#seq-detail"))
         assert seq_id in detail and seq_id in str(app.screen.query_one(".dialog").border_title)  # the whole id
         assert f"blocks ({len(seq['block_ids'])})" in detail
-        assert block_ranges(seq["block_ids"]) in detail
+        assert block_ranges(seq["block_ids"]) in detail  # runs: [3, 4, 5, 9] → `3–5, 9`
+        assert block_ranges([3, 4, 5, 9, 12, 13]) == "3–5, 9, 12–13" and block_ranges([]) == "none"
         assert f"prompt {seq['prompt_tokens']}" in detail and f"cached {seq['cached_tokens']}" in detail
         assert "admitted" in detail  # its own events, from the events the dashboard holds
         others = [s["id"] for s in frame["sequences"] if s["id"] != seq_id]
@@ -251,9 +252,12 @@ async def test_j_k_move_the_cursor_and_enter_opens_the_details(server: Engine):
         assert app.screen is app.base and isinstance(app.focused, SequencesTable)
 
 
-def test_block_ranges_read_as_runs():
-    assert block_ranges([3, 4, 5, 9, 12, 13]) == "3–5, 9, 12–13"
-    assert block_ranges([7]) == "7" and block_ranges([]) == "none"
+@pytest.mark.anyio
+async def test_sequence_keys_in_a_too_small_terminal_do_nothing():
+    app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[0])))
+    async with app.run_test(size=(50, 15)) as pilot:
+        await pilot.press("G", "slash", "x", "enter", "j", "k", "enter")  # no table to filter or move in
+        assert app.is_running and app.screen is app.base and "too small" in text(app.query_one("#too-small"))
 
 
 @pytest.mark.anyio
@@ -292,11 +296,9 @@ async def test_help_and_footer_show_the_new_keys(server: Engine):
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         helped = {key_label(b.key): b.tooltip for _, group in app.screen.groups for b in group}
-        for label in ("q", "ctrl+c f10", "j", "k", "enter", "o", "/"):
-            assert label in helped, label
+        assert {"q", "ctrl+c f10", "j", "k", "enter", "o", "/"} <= helped.keys()
         assert "jump" not in " ".join(helped.values())  # live: no replay keys
-        for label in ("d", "e", "E", "r"):
-            assert "y confirms" in helped[label]
+        assert all("y confirms" in helped[key] for key in "deEr")
 
 
 # ---- markup in filter text and in ids (issue #11) -----------------------------------------------
@@ -318,14 +320,11 @@ async def test_filter_text_that_looks_like_markup(server: Engine):
 def markup_snapshot(tmp_path: Path) -> Path:
     """A recorded incident whose busiest sequence is renamed `[/x]` everywhere."""
     snap = read_snapshot(SNAPSHOTS[0])
-    last = snap.frames[-1]
-    old = max(last["sequences"], key=lambda s: s["num_blocks"])["id"]
+    old = max(snap.frames[-1]["sequences"], key=lambda s: s["num_blocks"])["id"]
     swap = lambda s: "[/x]" if s == old else s  # noqa: E731
     frames = [{**f, "sequences": [{**s, "id": swap(s["id"])} for s in f["sequences"]]} for f in snap.frames]
     evs = [{**e, "seq_id": swap(e.get("seq_id"))} for e in snap.events]
-    return write_snapshot(
-        tmp_path / "markup.kvsnap", model="tiny", config={}, reason="[bold]test[/", frames=frames, events=evs
-    )
+    return write_snapshot(tmp_path / "m.kvsnap", model="tiny", config={}, reason="[b]x[/", frames=frames, events=evs)
 
 
 @pytest.mark.anyio
@@ -376,9 +375,10 @@ def exits_cleanly(term: Terminal, timeout: float = 20.0) -> None:
 def test_terminal_type_ahead_does_not_drain_and_ctrl_c_quits(server: Engine):
     term = Terminal(["--socket", str(server.socket), "--interval", "0.2"], base_env(TERM="xterm-256color"))
     term.read_until("● live")
-    term.press("/5d0\r")  # one write: kvtop reads all five keys at once
-    term.read_until("filter: 5d0")
-    term.press("d")  # after enter, d is a key again: the drain dialog, which starts on Cancel
+    term.press("/5d0\r?")  # one write: kvtop reads all six keys at once; after enter, ? is a key again
+    term.read_until("kvtop keys")
+    assert b"Drain the engine?" not in term.output and engine_state(server) == "running"
+    term.press("?d")  # closes the help (a lone esc then d would read as alt+d); d: the drain dialog
     term.read_until("Drain the engine?")
     term.press("\r")  # enter on Cancel
     time.sleep(1.0)
@@ -393,7 +393,7 @@ def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
     term.read_until("Block map")
     term.press("G")
     term.read_until("[/x]")
-    term.press("/[/\r")
-    term.read_until("filter: [/")
+    term.press("/[/\r?")  # filter by "[/", then the help: still alive after drawing it
+    term.read_until("kvtop keys")
     term.press("\x1b[21~")  # F10
     exits_cleanly(term)

@@ -192,16 +192,29 @@ class SequencesPanel(Vertical):
         event.stop()
         self.post_message(FilterChanged(event.value))
 
+    @property
+    def filtering(self) -> bool:
+        return self.screen.focused is self.query_one("#seq-filter", Input)
+
+    def close_filter(self, keep: bool) -> None:
+        """Enter (keep) or esc (clear) in the filter box, handled as the key arrives (priority keys
+        of the app): the keys typed after it are keys again. The box itself finishes after the
+        letters typed before it, which may still be on their way to it."""
+        box = self.query_one("#seq-filter", Input)
+        self.screen.set_focus(self.table)
+        box.call_later(self._filter_closed, keep)
+
+    def _filter_closed(self, keep: bool) -> None:
+        box = self.query_one("#seq-filter", Input)
+        if not keep:
+            box.value = ""
+            self.post_message(FilterChanged(""))
+        box.display = bool(box.value)
+
     @on(Input.Submitted, "#seq-filter")
     def _filter_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        box = self.query_one("#seq-filter", Input)
-        box.display = bool(box.value)
-        self.screen.set_focus(self.table)  # at once: keys typed after enter are keys again
+        self.close_filter(keep=True)
 
     def action_clear_filter(self) -> None:
-        box = self.query_one("#seq-filter", Input)
-        box.value = ""
-        box.display = False
-        self.post_message(FilterChanged(""))
-        self.screen.set_focus(self.table)
+        self.close_filter(keep=False)
