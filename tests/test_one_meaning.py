@@ -25,7 +25,7 @@ from kvtop.widgets.view import View
 from tests.helpers import widget_text
 from tests.server_harness import kvctl, start_server
 
-STALL_S = 1.5  # per step: a block boundary (16 decode steps) is ~24 s away once both requests run
+STALL_S = 3.0  # per step: a block boundary (16 decode steps) is ~48 s away; a loaded box still sees a prefill
 PREFIX = list(range(1000, 1048))  # three full blocks of 16 tokens
 STATES = ("free", "cached", "used", "shared")
 
