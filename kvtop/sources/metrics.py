@@ -1,0 +1,194 @@
+"""`MetricsSource`: any engine's Prometheus `/metrics` (vLLM, SGLang, llama.cpp, ours) as stats frames.
+
+Each scrape becomes a partial frame (DESIGN §6): what the engine's table (`mappings/`) names is
+filled, everything else is absent, never 0, and `unavailable` lists what the panels cannot show.
+Rates and last-minute percentiles come from the difference between scrapes, as Prometheus'
+`rate()` and `histogram_quantile()` would compute them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import httpx
+
+from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable
+from kvtop.sources.mappings import Mapping, by_kind, detect
+from kvtop.sources.prometheus import NotMetrics, Scrape, delta, histogram_quantile, parse
+
+WINDOW_S = 60.0  # latency percentiles over the last minute
+RATE_S = 10.0  # throughput over the last seconds
+QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+
+
+def metrics_url(url: str) -> str:
+    """`http://host:8000` means its `/metrics`; a URL with a path is used as given."""
+    u = httpx.URL(url if "://" in url else f"http://{url}")
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ValueError(f"{url!r} is not an http(s) URL")
+    return str(u.copy_with(path="/metrics")) if u.path in ("", "/") else str(u)
+
+
+def _set(frame: dict, path: str, value) -> None:
+    section, _, key = path.partition(".")
+    frame.setdefault(section, {})[key] = value
+
+
+def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
+    out = {}
+    for key, name in m.histograms.items():
+        buckets = scrape.buckets.get(name)
+        if not buckets:
+            continue
+        h = {"count": int(buckets[-1][1]), "sum": scrape.values.get(name + "_sum")}
+        h.update({p: histogram_quantile(q, buckets) for p, q in QUANTILES})
+        h["buckets"] = [le for le, _ in buckets[:-1]]
+        h["counts"] = [int(c - b) for (_, c), (_, b) in zip(buckets, [(0, 0.0), *buckets[:-1]], strict=True)]
+        then = next((s for s in earlier if s.ts >= scrape.ts - WINDOW_S and name in s.buckets), None)
+        if then is not None:
+            win = delta(buckets, then.buckets[name])
+            h["window"] = {"seconds": scrape.ts - then.ts, "count": int(win[-1][1])}
+            h["window"].update({p: histogram_quantile(q, win) for p, q in QUANTILES})
+        out[key] = h
+    return out
+
+
+def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
+    then = next((s for s in earlier if s.ts >= scrape.ts - RATE_S), None)
+    if then is None or scrape.ts <= then.ts:
+        return {}
+    out = {}
+    for key, names in m.rates.items():
+        now, before = scrape.first(names), then.first(names)
+        if now is not None and before is not None:
+            out[key] = max(0.0, now - before) / (scrape.ts - then.ts)
+    return out
+
+
+def _cache_config(m: Mapping, scrape: Scrape, frame: dict) -> None:
+    labels = (scrape.series.get(m.info) or [({}, 0.0)])[0][0] if m.info else {}
+    for label, key, cast in (("block_size", "block_size", int), ("num_gpu_blocks", "num_blocks", int),
+                             ("cache_dtype", "dtype", str)):  # fmt: skip
+        value = labels.get(label)
+        if value not in (None, "", "None") and key not in frame["kv"]:
+            try:
+                frame["kv"][key] = cast(float(value)) if cast is int else value
+            except ValueError:
+                pass
+
+
+def _model(scrape: Scrape) -> str | None:
+    for series in scrape.series.values():
+        for labels, _ in series:
+            if labels.get("model_name"):
+                return labels["model_name"]
+    return None
+
+
+def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> dict:
+    """The partial stats frame of one scrape; `earlier` scrapes (oldest first) give rates and windows."""
+    frame: dict = {"schema": 1, "ts": scrape.ts, "source": {"kind": "metrics", "url": url},
+                   "engine": {"kind": m.kind, "model": _model(scrape)},
+                   "kv": {}, "scheduler": {}, "prefix": {}, "events": []}  # fmt: skip
+    for path, names in (*m.gauges.items(), *m.counters.items()):
+        value = scrape.first(names)
+        if value is not None:
+            _set(frame, path, int(value) if value.is_integer() and "usage" not in path else value)
+    _cache_config(m, scrape, frame)
+    if m.kind == "kvtop":
+        _kvtop_extras(scrape, frame)
+    prefix = frame["prefix"]
+    if "hit_rate" not in prefix and prefix.get("query_tokens"):
+        prefix["hit_rate"] = prefix.get("hit_tokens", 0) / prefix["query_tokens"]
+    frame["latency"] = _latency(m, scrape, earlier)
+    frame["throughput"] = _rates(m, scrape, earlier)
+    frame["engine"].setdefault("state", "running")
+    frame["unavailable"] = list(m.cannot_show)
+    return frame
+
+
+def _kvtop_extras(scrape: Scrape, frame: dict) -> None:
+    """Ours serves block counts by state, and its state, as labels: the frame's own fields."""
+    for labels, value in scrape.series.get("kvtop_kv_cache_blocks", []):
+        if labels.get("state") in ("free", "cached", "used", "shared", "offloaded"):
+            frame["kv"][labels["state"]] = int(value)
+    for labels, value in scrape.series.get("kvtop_engine_state", []):
+        if value == 1.0 and labels.get("state"):
+            frame["engine"]["state"] = labels["state"]
+
+
+class MetricsSource(FrameSource):
+    """Frames scraped from an engine's `/metrics`, every `interval` seconds."""
+
+    def __init__(
+        self,
+        url: str,
+        interval: float = 1.0,
+        engine: str | None = None,
+        timeout: float = 3.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__()
+        self.url = metrics_url(url)
+        self.path = self.url  # what the header names
+        self.interval = interval
+        self.mapping: Mapping | None = by_kind(engine) if engine else None
+        self.timeout = timeout
+        self._clock = clock
+        self._scrapes: deque[Scrape] = deque()
+        self._frames: deque[dict] = deque()
+        self.disconnected_since: float | None = None
+        self.last_error: str | None = None
+        self._client = httpx.Client(timeout=timeout, follow_redirects=False)
+        self._lock = threading.Lock()
+
+    def scrape(self) -> Scrape:
+        try:
+            r = self._client.get(self.url)
+            if r.status_code != 200:
+                raise NotMetrics(f"{self.url} answered HTTP {r.status_code}")
+            return parse(r.text, self._clock())
+        except httpx.HTTPError as exc:
+            raise NotMetrics(f"{self.url}: {type(exc).__name__} {exc}".strip()) from None
+
+    def poll(self) -> dict | None:
+        try:
+            scrape = self.scrape()
+            mapping = self.mapping or detect(scrape.values)
+            if mapping is None:
+                raise NotMetrics(f"{self.url} serves no vLLM, SGLang, llama.cpp or kvtop metrics")
+        except NotMetrics as exc:
+            if self.disconnected_since is None:
+                self.disconnected_since = self._clock()
+            self.last_error = str(exc)
+            raise SourceUnavailable(self.last_error) from None
+        self.disconnected_since, self.last_error = None, None
+        with self._lock:
+            frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
+            self._scrapes.append(scrape)
+            while self._scrapes and self._scrapes[0].ts < scrape.ts - WINDOW_S - 5:
+                self._scrapes.popleft()
+            self._frames.append(frame)
+            while self._frames and self._frames[0]["ts"] < scrape.ts - HISTORY_S:
+                self._frames.popleft()
+            self.current = frame
+        return frame
+
+    def history(self, seconds: float = HISTORY_S) -> list[dict]:
+        with self._lock:
+            if not self._frames:
+                return []
+            last = self._frames[-1]["ts"]
+            return [f for f in self._frames if f["ts"] >= last - seconds]
+
+    def events(self) -> list[dict]:
+        return []  # Prometheus carries counts, not events
+
+    def next_delay(self) -> float:
+        return min(2.0, self.interval) if self.disconnected_since is not None else self.interval
+
+    def close(self) -> None:
+        self._client.close()

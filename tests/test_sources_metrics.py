@@ -1,0 +1,152 @@
+"""The metrics source: recorded `/metrics` texts of vLLM, SGLang and llama.cpp read into stats frames.
+
+Fast (no engine): each fixture is parsed and mapped through its engine's table. Percentiles are
+checked against hand-computed `histogram_quantile` values; fields the engine does not serve must be
+absent (never 0) and the panels' notes must name what is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtop.sources.mappings import all_mappings, by_kind, detect
+from kvtop.sources.metrics import build_frame, metrics_url
+from kvtop.sources.prometheus import NotMetrics, histogram_quantile, parse
+
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def scrape(name: str, ts: float = 100.0):
+    return parse((FIXTURES / name).read_text(), ts)
+
+
+def frame_of(*names: str, step: float = 5.0) -> dict:
+    scrapes = [scrape(n, 100.0 + i * step) for i, n in enumerate(names)]
+    mapping = detect(scrapes[-1].values)
+    return build_frame(mapping, scrapes[-1], scrapes[:-1], "http://h:8000/metrics")
+
+
+@pytest.mark.parametrize(
+    ("fixture", "kind"),
+    [("vllm_t0.prom", "vllm"), ("sglang.prom", "sglang"), ("llamacpp.prom", "llamacpp")],
+)
+def test_the_engine_is_known_from_the_names_it_serves(fixture, kind):
+    frame = frame_of(fixture)
+    assert frame["engine"]["kind"] == kind
+    assert frame["source"] == {"kind": "metrics", "url": "http://h:8000/metrics"}
+
+
+def test_vllm_fills_what_it_serves_and_leaves_the_rest_absent():
+    frame = frame_of("vllm_t0.prom")
+    assert frame["engine"]["model"] == MODEL
+    assert frame["scheduler"] == {"running": 3, "waiting": 1, "preemptions_total": 0}
+    kv = frame["kv"]
+    assert kv["usage"] == pytest.approx(0.21875)
+    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (16, 2048, "auto")  # from cache_config_info
+    for absent in ("blocks", "used", "free", "cached", "bytes_per_token"):
+        assert absent not in kv, absent  # vLLM does not say; never a made-up 0
+    assert "sequences" not in frame and "memory" not in frame
+    assert frame["prefix"] == {"query_tokens": 4096, "hit_tokens": 1024, "hit_rate": 0.25}
+    assert "vLLM exposes no block map" in frame["unavailable"]
+    assert frame["throughput"] == {}  # one scrape: no rate yet, rather than 0 tok/s
+
+
+def test_vllm_ttft_percentiles_match_histogram_quantile():
+    ttft = frame_of("vllm_t0.prom")["latency"]["ttft"]
+    assert ttft["count"] == 16  # 10 at 30 ms, 6 at 200 ms
+    assert ttft["p50"] == pytest.approx(0.036)  # rank 8 of 10 inside (0.02, 0.04]
+    assert ttft["p99"] == pytest.approx(0.1 + 0.15 * (15.84 - 10) / 6)  # inside (0.1, 0.25]
+    assert len(ttft["counts"]) == len(ttft["buckets"]) + 1 and sum(ttft["counts"]) == 16
+
+
+def test_last_minute_percentiles_come_from_bucket_deltas():
+    frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
+    ttft = frame["latency"]["ttft"]
+    win = ttft["window"]
+    # between the scrapes: 20 more at 0.9 s and 6 at 3 s; the 16 fast ones before do not count
+    assert win["count"] == 26 and win["seconds"] == 5.0
+    assert win["p50"] == pytest.approx(0.75 + 0.25 * 13 / 20)
+    assert win["p99"] == pytest.approx(2.5 + 2.5 * (25.74 - 20) / 6)
+    assert ttft["p50"] < win["p50"]  # the all-time figure hides the slowdown the window shows
+
+
+def test_rates_come_from_counter_deltas():
+    frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
+    assert frame["throughput"] == pytest.approx(
+        {"prompt_tokens_per_s": 1024.0, "generation_tokens_per_s": 512.0, "requests_per_s": 5.2}
+    )
+    assert frame["scheduler"]["preemptions_total"] == 7
+    assert frame["prefix"]["hit_rate"] == pytest.approx(5120 / 9216)
+
+
+def test_sglang_maps_its_own_names():
+    frame = frame_of("sglang.prom")
+    assert frame["scheduler"] == {"running": 11, "waiting": 2826}
+    assert "preemptions_total" not in frame["scheduler"]  # SGLang serves none
+    assert frame["kv"]["usage"] == pytest.approx(0.28) and frame["kv"]["used_tokens"] == 123859
+    assert frame["prefix"] == {"hit_rate": pytest.approx(0.007507552643049313)}
+    ttft = frame["latency"]["ttft"]
+    assert ttft["count"] == 100
+    assert ttft["p50"] == pytest.approx(0.06) and ttft["p99"] == pytest.approx(14.0)
+    assert "itl" not in frame["latency"]  # not in this recording: absent, not zero
+    assert any("no block map" in line for line in frame["unavailable"])
+
+
+def test_llamacpp_has_no_histograms_and_says_so():
+    frame = frame_of("llamacpp.prom")
+    assert frame["scheduler"] == {"running": 1, "waiting": 0}
+    assert frame["kv"] == {"usage": pytest.approx(0.203125), "used_tokens": 832}
+    assert frame["latency"] == {} and frame["prefix"] == {}
+    assert "llama.cpp exposes no latency histograms (no P50/P95/P99)" in frame["unavailable"]
+
+
+def test_llamacpp_rates_from_two_scrapes():
+    text = (FIXTURES / "llamacpp.prom").read_text()
+    later = text.replace("llamacpp:tokens_predicted_total 3469", "llamacpp:tokens_predicted_total 3569")
+    a, b = parse(text, 10.0), parse(later, 12.0)
+    frame = build_frame(by_kind("llamacpp"), b, [a], "u")
+    assert frame["throughput"]["generation_tokens_per_s"] == pytest.approx(50.0)
+    assert frame["throughput"]["prompt_tokens_per_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "<html><body>502 Bad Gateway</body></html>", "\x00\x01garbage{{{", "metric{le=} 1\n", "x" * 100],
+)
+def test_garbage_is_no_engine(text):
+    """Text that is not Prometheus is refused; text that parses but names no engine finds none."""
+    try:
+        found = detect(parse(text, 1.0).values)
+    except NotMetrics as exc:
+        assert str(exc)  # a reason to show on the screen
+        return
+    assert found is None
+
+
+def test_unknown_metrics_are_no_engine():
+    assert detect(parse("# TYPE foo_total counter\nfoo_total 3\n", 1.0).values) is None
+
+
+def test_histogram_quantile_edges():
+    assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) is None  # no observations
+    assert histogram_quantile(0.99, [(1.0, 1.0), (2.0, 1.0), (float("inf"), 10.0)]) == 2.0  # in +Inf: top bound
+    assert histogram_quantile(0.5, [(1.0, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.5)
+
+
+def test_metrics_url():
+    assert metrics_url("http://h:8000") == "http://h:8000/metrics"
+    assert metrics_url("h:8000") == "http://h:8000/metrics"
+    assert metrics_url("http://h:9400/custom") == "http://h:9400/custom"
+    with pytest.raises(ValueError):
+        metrics_url("ftp://h/x")
+
+
+def test_each_table_names_its_own_prefix_only():
+    for m in all_mappings():
+        names = [n for names in (*m.gauges.values(), *m.counters.values(), *m.rates.values()) for n in names]
+        names += list(m.histograms.values())
+        assert names and all(n.startswith(m.prefix) for n in names), m.kind
+        assert m.cannot_show, m.kind  # every engine lacks something the socket shows
