@@ -15,7 +15,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -31,6 +31,18 @@ Sink = Callable[[RequestOutput], None]
 RECENT_SNAPSHOTS = 10
 
 
+@dataclass
+class DrainState:
+    """A drain in progress (the frame's `server.drain`): when it began, its deadline, and whether
+    requests still in flight at the deadline are aborted."""
+
+    started: float
+    timeout_s: float | None = None
+    deadline: float | None = None  # cleared once the deadline has aborted what was left
+    abort_after: bool = False
+    aborted: int = 0
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine = engine
@@ -42,7 +54,7 @@ class EngineLoop:
         self.rejected: Counter[str] = Counter()
         self.snapshots: list[dict] = []
         self.snapshot_counts: Counter[str] = Counter()
-        self.drain_info: dict | None = None  # {"started", "timeout_s", "deadline", "abort_after", "aborted"}
+        self.drain_info: DrainState | None = None
         self.addresses: dict[str, str] = {}
         self._sinks: dict[str, Sink] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -102,11 +114,11 @@ class EngineLoop:
     def drain(self, timeout_s: float | None = None, abort_after: bool = False) -> dict:
         now = time.time()
         if self.engine.state == "running" or self.drain_info is None:
-            self.drain_info = {"started": now, "timeout_s": None, "deadline": None, "abort_after": False, "aborted": 0}
+            self.drain_info = DrainState(started=now)
         if timeout_s is not None:
-            self.drain_info.update(timeout_s=timeout_s, deadline=now + timeout_s)
+            self.drain_info.timeout_s, self.drain_info.deadline = timeout_s, now + timeout_s
         if abort_after:
-            self.drain_info["abort_after"] = True
+            self.drain_info.abort_after = True
         self.engine.drain()
         self._wake.set()
         return self.drain_status()
@@ -118,7 +130,10 @@ class EngineLoop:
         return self.drain_status()
 
     def drain_status(self) -> dict:
-        return {"state": self.engine.state, "in_flight": len(self.engine.seqs), "drain": self.drain_info}
+        return {"state": self.engine.state, "in_flight": len(self.engine.seqs), "drain": self._drain_dict()}
+
+    def _drain_dict(self) -> dict | None:
+        return None if self.drain_info is None else asdict(self.drain_info)
 
     def evict_sequence(self, request_id: str, requeue: bool) -> bool:
         found = self.engine.evict_sequence(request_id, requeue=requeue)
@@ -144,7 +159,7 @@ class EngineLoop:
             "max_queue": self.config.max_queue,
             "rejected": dict(self.rejected),
             "finish_reasons": dict(self.finish_reasons),
-            "drain": self.drain_info,
+            "drain": self._drain_dict(),
             "snapshots": list(self.snapshots[-RECENT_SNAPSHOTS:]),
             "stats_interval_s": self.config.stats_interval,
             "history_s": self.config.history,
@@ -233,12 +248,12 @@ class EngineLoop:
             self.engine.drain()  # marks it drained (a step that only aborted does not)
             return
         info = self.drain_info
-        if info and info["abort_after"] and info["deadline"] is not None and now >= info["deadline"]:
+        if info and info.abort_after and info.deadline is not None and now >= info.deadline:
             ids = list(self.engine.seqs)
             for request_id in ids:
-                self.engine.abort(request_id, f"drain timeout ({info['timeout_s']:g} s)")
-            info["aborted"] += len(ids)
-            info["deadline"] = None  # once
+                self.engine.abort(request_id, f"drain timeout ({info.timeout_s:g} s)")
+            info.aborted += len(ids)
+            info.deadline = None  # once
 
     def _record(self, now: float) -> None:
         try:

@@ -127,8 +127,8 @@ class Serving:
 
     def retry_after(self) -> int:
         info = self.loop.drain_info
-        if info and info.get("deadline"):
-            return max(1, math.ceil(info["deadline"] - time.time()))
+        if info and info.deadline:
+            return max(1, math.ceil(info.deadline - time.time()))
         return 10
 
     @staticmethod
