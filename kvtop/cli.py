@@ -279,10 +279,21 @@ def _client(socket: Path | None) -> EngineClient:
 def status(
     socket: SocketOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the whole stats frame as JSON.")] = False,
+    url: Annotated[
+        str | None,
+        typer.Option("--url", help="Read any engine's Prometheus /metrics instead (vLLM, SGLang, llama.cpp, kvtop)."),
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="With --url: vllm, sglang, llamacpp or kvtop (default: detected).")
+    ] = None,
 ) -> None:
     """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
     from kvtop.summary import render_status
 
+    if url is not None or engine is not None:
+        frame = _metrics_frame(url, engine, socket)
+        print(json.dumps(frame, indent=2)) if json_out else out.print(render_status(frame, out.width))
+        return
     with _client(socket) as c:
         frame = c.stats()
         if json_out:
@@ -291,6 +302,29 @@ def status(
         # the last seconds of the flight recorder, so rate findings (preemptions/s…) can be made
         history = c.history(since=frame["ts"] - 10.0).get("frames", [])
     out.print(render_status(frame, out.width, history))
+
+
+def _metrics_frame(url: str | None, engine: str | None, socket: Path | None) -> dict:
+    """Two scrapes a second apart (so rates show) of an engine's /metrics, as a partial frame."""
+    from kvtop.sources import SourceUnavailable
+    from kvtop.sources.metrics import MetricsSource
+
+    if url is None:
+        raise CLIError("--engine goes with --url URL (the control socket is always our engine)")
+    if socket is not None:
+        raise CLIError("use --socket or --url, not both")
+    try:
+        source = MetricsSource(url, engine=engine, timeout=5.0)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        source.poll()
+        time.sleep(1.0)
+        return source.poll()
+    except SourceUnavailable as exc:
+        raise CLIError(f"cannot read {source.url}: {exc}") from None
+    finally:
+        source.close()
 
 
 @app.command()

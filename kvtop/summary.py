@@ -56,6 +56,8 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
     lets the diagnosis see rates."""
     from kvtop.diagnosis import diagnose
 
+    if (frame.get("source") or {}).get("kind") == "metrics":
+        return render_partial(frame)
     eng, kv, sched, prefix, lat, thr = (
         frame[k] for k in ("engine", "kv", "scheduler", "prefix", "latency", "throughput")
     )
@@ -144,3 +146,45 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
             )
         parts.append(et)
     return Group(*parts)
+
+
+def _opt(v, fmt: str = "{}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render_partial(frame: dict) -> Group:
+    """A frame read from an engine's /metrics: what it serves, and one line for each thing it cannot show."""
+    eng, kv, sched, prefix = (frame.get(k) or {} for k in ("engine", "kv", "scheduler", "prefix"))
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row(
+        "engine", Text(f"{eng.get('kind')} · {eng.get('model') or 'model not served'} · {frame['source']['url']}")
+    )
+    usage = kv.get("usage")
+    blocks = f" of {kv['num_blocks']} blocks × {kv.get('block_size', '?')} tokens" if "num_blocks" in kv else ""
+    used = f" · {kv['used_tokens']} tokens held" if "used_tokens" in kv else ""
+    t.add_row("KV cache", "-" if usage is None else f"{_bar(usage)} {usage * 100:.1f} % held{blocks}{used}")
+    t.add_row(
+        "requests",
+        f"{_opt(sched.get('running'))} running, {_opt(sched.get('waiting'))} waiting"
+        f" · {_opt(sched.get('preemptions_total'))} preemptions",
+    )
+    rate = prefix.get("hit_rate")
+    hits = f" ({prefix['hit_tokens']} / {prefix['query_tokens']})" if "query_tokens" in prefix else ""
+    t.add_row("prefix", "-" if rate is None else f"{rate * 100:.1f} % of prompt tokens hit{hits}")
+    lat = frame.get("latency") or {}
+    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
+        if h := lat.get(key):
+            t.add_row(
+                label, f"p50 {_ms(h['p50'])} · p95 {_ms(h['p95'])} · p99 {_ms(h['p99'])} ms  ({h['count']} samples)"
+            )
+    thr = frame.get("throughput") or {}
+    if thr:
+        t.add_row(
+            "throughput",
+            f"{_opt(thr.get('generation_tokens_per_s'), '{:.1f}')} gen tok/s"
+            f" · {_opt(thr.get('prompt_tokens_per_s'), '{:.1f}')} prompt tok/s",
+        )
+    t.add_row("not shown", Text("\n".join(frame.get("unavailable") or []), style="dim"))
+    return Group(t)

@@ -7,6 +7,7 @@ absent (never 0) and the panels' notes must name what is missing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,79 @@ def test_each_table_names_its_own_prefix_only():
         names += list(m.histograms.values())
         assert names and all(n.startswith(m.prefix) for n in names), m.kind
         assert m.cannot_show, m.kind  # every engine lacks something the socket shows
+
+
+# ---- against our own real server's /metrics (a remote engine whose socket is out of reach) ----
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    from tests.server_harness import start_server
+
+    s = start_server(tiny_dir, "--kv-cache-memory", "1MiB", "--max-num-seqs", "4")
+    yield s
+    s.cleanup()
+
+
+def test_our_metrics_read_back_as_the_socket_frame(server):
+    from kvtop.sources.metrics import MetricsSource
+
+    client = server.openai()
+    for i in range(3):
+        client.completions.create(model=server.model, prompt=f"Hello number {i}", max_tokens=4)
+    source = MetricsSource(server.url)
+    try:
+        frame = source.poll()
+    finally:
+        source.close()
+    with server.control() as c:
+        truth = c.stats()
+    assert frame["engine"]["kind"] == "kvtop" and frame["engine"]["model"] == server.model
+    assert frame["engine"]["state"] == truth["engine"]["state"] == "running"
+    for key in ("num_blocks", "block_size", "bytes_per_token", "free", "cached", "used"):
+        assert frame["kv"][key] == truth["kv"][key], key  # idle: nothing moves between the two reads
+    assert frame["kv"]["usage"] == pytest.approx(truth["kv"]["usage"])
+    assert frame["scheduler"]["preemptions_total"] == truth["scheduler"]["preemptions_total"]
+    assert frame["prefix"]["query_tokens"] == truth["prefix"]["query_tokens"]
+    assert frame["latency"]["ttft"]["count"] == truth["latency"]["ttft"]["count"] == 3
+    assert "blocks" not in frame["kv"] and "sequences" not in frame  # /metrics carries neither
+
+
+def test_kvctl_status_url_prints_what_metrics_serve(server):
+    from tests.server_harness import kvctl
+
+    r = kvctl("status", "--url", server.url, "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    frame = json.loads(r.stdout)
+    assert frame["source"] == {"kind": "metrics", "url": f"{server.url}/metrics"}
+    assert frame["engine"]["kind"] == "kvtop"
+    assert set(frame["throughput"]) >= {"generation_tokens_per_s", "prompt_tokens_per_s"}  # two scrapes: rates
+    r = kvctl("status", "--url", server.url, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "KV cache" in r.stdout and "no block map" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--url", "http://127.0.0.1:1"], "cannot read http://127.0.0.1:1/metrics"),
+        (["--url", "ftp://x/y"], "not an http(s) URL"),
+        (["--url", "http://127.0.0.1:1", "--engine", "tgi"], "unknown engine 'tgi'"),
+        (["--engine", "vllm"], "--engine goes with --url"),
+    ],
+)
+def test_kvctl_status_url_errors_are_one_line(args, says):
+    from tests.server_harness import kvctl
+
+    r = kvctl("status", *args, timeout=60)
+    assert r.returncode != 0
+    assert says in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_kvctl_status_url_refuses_a_page_that_is_not_metrics(server):
+    from tests.server_harness import kvctl
+
+    r = kvctl("status", "--url", f"{server.url}/v1/models", timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "cannot read" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -149,17 +149,17 @@ class MetricsSource(FrameSource):
         try:
             r = self._client.get(self.url)
             if r.status_code != 200:
-                raise NotMetrics(f"{self.url} answered HTTP {r.status_code}")
+                raise NotMetrics(f"it answered HTTP {r.status_code}")
             return parse(r.text, self._clock())
         except httpx.HTTPError as exc:
-            raise NotMetrics(f"{self.url}: {type(exc).__name__} {exc}".strip()) from None
+            raise NotMetrics(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
 
     def poll(self) -> dict | None:
         try:
             scrape = self.scrape()
             mapping = self.mapping or detect(scrape.values)
             if mapping is None:
-                raise NotMetrics(f"{self.url} serves no vLLM, SGLang, llama.cpp or kvtop metrics")
+                raise NotMetrics("it serves no vLLM, SGLang, llama.cpp or kvtop metrics")
         except NotMetrics as exc:
             if self.disconnected_since is None:
                 self.disconnected_since = self._clock()
