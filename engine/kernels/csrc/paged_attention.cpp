@@ -7,8 +7,7 @@
 // item; the softmax is online, one key block at a time. Items run in parallel through
 // at::parallel_for. Accumulation is fp32 whatever the query and cache dtypes.
 //
-// Built by engine/kernels/cpu.py with -O3 -march=native -fopenmp; plain loops that the
-// compiler vectorizes (omp simd) keep the build light: no vec.h, no pybind11.
+// Built by engine/kernels/cpu.py (-O3 -march=native -fopenmp); plain omp-simd loops, no vec.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +22,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -112,20 +112,14 @@ struct CacheView {
   int64_t scale_block_stride = 0, scale_row_stride = 0, scale_head_stride = 0;
   bool per_token = false;
 
-  CacheView(const at::Tensor& cache, const std::optional<at::Tensor>& scale) {
-    data = cache.data_ptr();
-    block_stride = cache.stride(0);
-    row_stride = cache.stride(1);
-    head_stride = cache.stride(2);
-    if (scale.has_value() && scale->defined()) {
-      scales = scale->data_ptr<float>();
-      per_token = cache.scalar_type() == at::kChar;
-      if (per_token) {
-        scale_block_stride = scale->stride(0);
-        scale_row_stride = scale->stride(1);
-        scale_head_stride = scale->stride(2);
-      }
-    }
+  CacheView(const at::Tensor& cache, const std::optional<at::Tensor>& scale)
+      : data(cache.data_ptr()), block_stride(cache.stride(0)), row_stride(cache.stride(1)),
+        head_stride(cache.stride(2)) {
+    if (!scale.has_value() || !scale->defined()) return;
+    scales = scale->data_ptr<float>();
+    per_token = cache.scalar_type() == at::kChar;
+    if (per_token) std::tie(scale_block_stride, scale_row_stride, scale_head_stride) =
+        std::make_tuple(scale->stride(0), scale->stride(1), scale->stride(2));
   }
 
   float scale_of(int64_t block, int64_t row, int64_t head) const {
@@ -343,27 +337,18 @@ at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   check_tables(tiles, block_tables, k_cache.size(1), k_cache.size(0));
   const CacheView kc(k_cache, k_scale), vc(v_cache, v_scale);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      run_tiles<float>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
-      break;
-    case at::kBFloat16:
-      run_tiles<c10::BFloat16>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
-      break;
-    case at::kHalf:
-      run_tiles<c10::Half>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
-      break;
-    case at::kChar:
-      TORCH_CHECK(kc.scales && vc.scales, "an int8 cache needs k_scale and v_scale");
-      run_tiles<int8_t>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
-      break;
-    case at::kFloat8_e4m3fn:
-      TORCH_CHECK(kc.scales && vc.scales, "an fp8 cache needs k_scale and v_scale");
-      run_tiles<c10::Float8_e4m3fn>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
-  }
+  const auto st = k_cache.scalar_type();
+  const bool quantized = st == at::kChar || st == at::kFloat8_e4m3fn;
+  TORCH_CHECK(!quantized || (kc.scales && vc.scales), "an int8 or fp8 cache needs k_scale and v_scale");
+  auto run = [&](auto tag) {
+    run_tiles<decltype(tag)>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
+  };
+  if (st == at::kFloat) run(float{});
+  else if (st == at::kBFloat16) run(c10::BFloat16{});
+  else if (st == at::kHalf) run(c10::Half{});
+  else if (st == at::kChar) run(int8_t{});
+  else if (st == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
+  else TORCH_CHECK(false, "unsupported KV cache dtype ", st);
   return out;
 }
 
