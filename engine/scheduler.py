@@ -59,9 +59,6 @@ class Scheduler:
         seq.state = SequenceState.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens

@@ -30,10 +30,6 @@ class RequestMetrics:
     itls: list[float] = field(default_factory=list)
 
     @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
@@ -92,10 +88,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.state is SequenceState.FINISHED
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    def last_token(self) -> int:
-        return self.token_ids[-1]
