@@ -180,8 +180,10 @@ _kvctl_complete() {
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--socket --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--socket --json --url --engine --help" -- "$cur") )
             fi
+                --url) COMPREPLY=(); return 0 ;;
+                --engine) COMPREPLY=(); return 0 ;;
             ;;
     esac
     return 0

@@ -133,3 +133,5 @@ complete -c kvctl -n '__fish_seen_subcommand_from snapshot' -l help -d 'Show hel
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l socket -r -F -d 'Control socket default, KVTOP_SOCKET, else XDG_RUNTIME_DIR/kvtop-UID/engine.sock'
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l json -d 'Print the whole stats frame as JSON.'
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l help -d 'Show help and exit.'
+complete -c kvctl -n '__fish_seen_subcommand_from status' -l url -x -d 'Read any engines Prometheus /metrics instead vLLM, SGLang, llama.cpp, kvtop.'
+complete -c kvctl -n '__fish_seen_subcommand_from status' -l engine -x -d 'With --url, vllm, sglang, llamacpp or kvtop default, detected.'
