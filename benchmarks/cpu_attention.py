@@ -8,7 +8,8 @@ One "step" is what one decode step of the engine asks of attention: every layer'
 over its own cache (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head_dim 64, 30 layers,
 block size 16), 64 sequences of 384 tokens with their blocks scattered at random. Rows: fp32
 queries over an fp32, int8 and fp8_e4m3 cache; then one prefill (4 prompts of 256 new tokens over
-a 128-token cached prefix) on the fp32 cache. Times are the best of `--repeats` runs (the machine
+a 128-token cached prefix) on the fp32 cache, by the C++ kernel (the backend itself sends chunks
+this long to the reference's SDPA: see `SHORT_CHUNK` in engine/kernels/cpu.py). Times are the best of `--repeats` runs (the machine
 may be shared: the best is the least disturbed); `x` is reference time over CPU-kernel time
 (> 1: the kernel is faster); `max_err` guards against a fast wrong kernel.
 """
@@ -63,8 +64,9 @@ def step(module, q, layers, tables, lens, cu=None) -> torch.Tensor:
     for k, v, ks, vs in layers:
         if cu is None:
             out = module.paged_decode_attention(q, k, v, tables, lens, scale, ks, vs)
-        else:
-            out = module.paged_prefill_attention(q, k, v, tables, cu, lens, scale, ks, vs)
+        else:  # the C++ prefill kernel itself, not the backend's rule that sends long chunks to SDPA
+            prefill = cpu.inplace_prefill_attention if module is cpu else module.paged_prefill_attention
+            out = prefill(q, k, v, tables, cu, lens, scale, ks, vs)
     return out
 
 
