@@ -20,13 +20,10 @@ DEVICE_STATES = {".": "free", "c": "cached", "u": "used", "s": "shared"}  # `o` 
 
 def build_frame(engine: LLMEngine) -> dict:
     now = time.time()
-    bm = engine.block_manager
     kv = engine.kv
     sched = engine.scheduler
     m = engine.metrics
     kv_section = _kv(engine)
-    p = bm.prefix
-    spt = m.prefill_seconds_per_token()
     sequences = [
         _sequence(s, kv.bytes_per_token, kv.block_size, now) for s in list(sched.running) + list(sched.waiting)
     ]
@@ -54,19 +51,7 @@ def build_frame(engine: LLMEngine) -> dict:
             "active_tokens": active_tokens(sched.running, kv.block_size),
             "preemptions_total": sched.preemptions_total,
         },
-        "prefix": {
-            "enabled": bm.enable_prefix_caching,
-            "query_tokens": p.query_tokens,
-            "hit_tokens": p.hit_tokens,
-            "hit_rate": p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
-            "queries": p.queries,
-            "hit_requests": p.hit_requests,
-            "request_hit_rate": p.hit_requests / p.queries if p.queries else 0.0,
-            "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
-            "evictions": p.evictions,
-            "restored_blocks": p.restored_blocks,
-            "cached_blocks": kv_section["cached"],
-        },
+        "prefix": _prefix(engine, kv_section["cached"]),
         "latency": {
             "ttft": m.ttft.summary(now),
             "itl": m.itl.summary(now),
@@ -83,6 +68,25 @@ def build_frame(engine: LLMEngine) -> dict:
         },
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
+    }
+
+
+def _prefix(engine: LLMEngine, cached_blocks: int) -> dict:
+    """The frame's `prefix`: what the prefix cache served, and the prefill time that saved."""
+    bm, p = engine.block_manager, engine.block_manager.prefix
+    spt = engine.metrics.prefill_seconds_per_token()
+    return {
+        "enabled": bm.enable_prefix_caching,
+        "query_tokens": p.query_tokens,
+        "hit_tokens": p.hit_tokens,
+        "hit_rate": p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
+        "queries": p.queries,
+        "hit_requests": p.hit_requests,
+        "request_hit_rate": p.hit_requests / p.queries if p.queries else 0.0,
+        "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
+        "evictions": p.evictions,
+        "restored_blocks": p.restored_blocks,
+        "cached_blocks": cached_blocks,
     }
 
 

@@ -1,4 +1,4 @@
-"""Quantized KV through the engine: capacity doubles against 16-bit, tokens stay close."""
+"""Quantized KV: capacity doubles against 16-bit, and attention through it stays within a bound."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import reference as ref
+from engine.kv.cache import KVLayer
+
+# worst layer's relative (Frobenius) attention error vs the unquantized cache, SmolLM2 on one chat
+# prompt: measured 0.041 (int8) and 0.103 (fp8_e4m3); the bounds leave ~1.5x
+INT8_BOUND = 0.06
+FP8_BOUND = 0.15
 
 
 def test_capacity_roughly_doubles_against_16_bit(tiny_dir):
@@ -19,27 +25,74 @@ def test_capacity_roughly_doubles_against_16_bit(tiny_dir):
     assert 1.5 * sizes["auto"] <= sizes["int8"] < 2 * sizes["auto"]
 
 
+class _Recorder:
+    """The engine's own backend, keeping each layer's q, k and v (RoPE applied) as it stores them."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.layers = backend, []
+
+    def store_kv(self, k, v, *rest) -> None:
+        self.layers.append({"k": k.clone(), "v": v.clone()})
+        self.backend.store_kv(k, v, *rest)
+
+    def paged_prefill_attention(self, q, *rest):
+        self.layers[-1]["q"] = q.clone()
+        return self.backend.paged_prefill_attention(q, *rest)
+
+    def paged_decode_attention(self, q, *rest):
+        return self.backend.paged_decode_attention(q, *rest)
+
+
+def _attention_over(kvd: str, q, k, v, scale: float, block_size: int = 16) -> torch.Tensor:
+    """Causal prefill attention of one sequence through a fresh cache of `kvd` (reference kernels)."""
+    n, heads, dim = k.shape
+    num_blocks = -(-n // block_size)
+    dtype = {"auto": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kvd]
+    k_cache = torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    layer = KVLayer(k_cache, v_cache)
+    if kvd == "int8":
+        layer.k_scale, layer.v_scale = (
+            torch.ones(num_blocks, block_size, heads),
+            torch.ones(num_blocks, block_size, heads),
+        )
+    elif kvd == "fp8_e4m3":
+        layer.k_scale, layer.v_scale = torch.ones(1), torch.ones(1)
+        layer.calibrate(k, v)  # as the engine fits its per-tensor scales
+    ref.store_kv(k, v, k_cache, v_cache, torch.arange(n), layer.k_scale, layer.v_scale)
+    table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)
+    cu, lens = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    return ref.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, layer.k_scale, layer.v_scale)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kvd", ["fp8_e4m3", "int8"])
-def test_quantized_smollm2_agrees_with_full_precision(smollm2_llm, kvd):
-    """On the real model, greedy tokens with a quantized cache mostly match the fp32 cache
-    (random-weight tiny models are too flat to say anything here)."""
+def test_quantized_cache_bounds_every_layers_attention_error_on_smollm2(smollm2_llm):
+    """With SmolLM2's real q/k/v (random-weight models are too flat), each layer's attention output
+    through an int8 or fp8 cache stays within a fixed relative error of the unquantized cache's."""
     tok = smollm2_llm.tokenizer
-    asks = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.", "What is 2 + 2?",
-            "Describe the sea in one sentence.", "Who wrote Hamlet?"]  # fmt: skip
-    prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)
-        for a in asks
-    ]  # fmt: skip
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    full = smollm2_llm.generate(prompts, params)
-    quant = LLM("smollm2-135m", dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=kvd, quiet=True)
-    got = quant.generate(prompts, params)
-    agree = sum(a == b for o, g in zip(full, got, strict=True) for a, b in zip(o.token_ids, g.token_ids, strict=True))
-    assert agree / (8 * len(prompts)) >= 0.6
-    assert sum(o.token_ids[0] == g.token_ids[0] for o, g in zip(full, got, strict=True)) >= len(prompts) - 1
-    assert quant.stats()["kv"]["dtype"] == kvd
+    text = tok.apply_chat_template([{"role": "user", "content": "Describe the sea in three sentences."}],
+                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    runner = smollm2_llm.engine.runner
+    recorder = _Recorder(runner.kernels)
+    runner.kernels = recorder
+    try:
+        smollm2_llm.generate([tok.encode(text, add_special_tokens=False)], SamplingParams(max_tokens=1))
+    finally:
+        runner.kernels = recorder.backend
+    spec = smollm2_llm.engine.spec
+    assert len(recorder.layers) == spec.num_layers
+    scale = spec.head_dim**-0.5
+    worst = {}
+    for kvd in ("int8", "fp8_e4m3"):
+        errors = []
+        for layer in recorder.layers:
+            full = _attention_over("auto", layer["q"], layer["k"], layer["v"], scale)
+            quant = _attention_over(kvd, layer["q"], layer["k"], layer["v"], scale)
+            errors.append(((quant - full).norm() / full.norm()).item())
+        worst[kvd] = max(errors)
+    assert worst["int8"] < INT8_BOUND
+    assert worst["fp8_e4m3"] < FP8_BOUND
+    assert worst["int8"] < worst["fp8_e4m3"]  # 8 bits per value with per-token scales beat 3 mantissa bits
 
 
 @pytest.mark.parametrize(("kvd", "bound"), [("int8", 0.01), ("fp8_e4m3", 0.07)])
