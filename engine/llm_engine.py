@@ -33,6 +33,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
+from engine.stats import build_frame
 from engine.stopping import stop_reason
 from engine.validation import PromptLimits
 
@@ -388,7 +389,5 @@ class LLMEngine:
         return bool(self.seqs or self._aborts or self._requeues)
 
     def stats(self) -> dict:
-        from engine.stats import build_frame
-
         with self._lock:
             return build_frame(self)
