@@ -153,6 +153,20 @@ def test_each_table_names_its_own_prefix_only():
         assert m.cannot_show, m.kind  # every engine lacks something the socket shows
 
 
+def test_a_real_vllm_recording_under_load():
+    """/metrics of vLLM 0.32.0 (CPU build) on SmolLM2-135M, recorded idle, after 12 requests, then under 8 at once."""
+    frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom")
+    assert frame["engine"] == {"kind": "vllm", "model": "smollm2-135m", "state": "running"}
+    assert frame["scheduler"] == {"running": 8, "waiting": 0, "preemptions_total": 0}
+    assert frame["kv"]["usage"] == pytest.approx(0.024793388429752095)
+    assert (frame["kv"]["block_size"], frame["kv"]["num_blocks"], frame["kv"]["dtype"]) == (128, 364, "auto")
+    assert frame["prefix"] == {"query_tokens": 2194, "hit_tokens": 896, "hit_rate": pytest.approx(896 / 2194)}
+    ttft = frame["latency"]["ttft"]
+    assert ttft["count"] == 20 and ttft["window"]["count"] == 8  # 8 first tokens between the two scrapes
+    assert ttft["p50"] <= ttft["p95"] <= ttft["p99"]
+    assert frame["throughput"]["generation_tokens_per_s"] > 0
+
+
 # ---- against our own real server's /metrics (a remote engine whose socket is out of reach) ----
 
 

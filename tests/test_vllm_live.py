@@ -79,7 +79,7 @@ def test_the_frame_agrees_with_vllms_own_metrics(vllm_url):
     import openai
 
     client = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="none", max_retries=0, timeout=120)
-    shared = "You are a terse assistant. Answer in one word. " * 4
+    shared = "You are a terse assistant. Answer in one word. " * 16  # > one 128-token block: a prefix hit
     for i in range(4):
         client.completions.create(model="smollm2-135m", prompt=shared + f"Question {i}?", max_tokens=8)
     source = MetricsSource(vllm_url, timeout=10)
