@@ -1,4 +1,4 @@
-"""SVG snapshots of the dashboard (pytest-textual-snapshot) at 80×24 and 160×48, live and replay.
+"""SVG snapshots of the dashboard (pytest-textual-snapshot) at 80×24, 120×40 and 160×48, live and replay.
 
 Stable by construction: replay shows a fixed frame of a snapshot in snapshots/; live is fed the
 same kind of fixed frames through LiveSource with a stand-in client (no clock, no engine), and
@@ -87,6 +87,11 @@ def test_live(snap_compare, size):
 def test_replay(snap_compare, size):
     # 60 frames in: mid-storm, with preemptions in the events and on the timeline
     assert snap_compare(replay_app(STORM, at=60), terminal_size=size)
+
+
+def test_live_overview_120x40(snap_compare):
+    """A common SSH window: KV cache, block map, sequences, prefix cache and latency at once."""
+    assert snap_compare(live_app(STORM, at=60), terminal_size=(120, 40), run_before=two_polls)
 
 
 def test_live_sequences_tab_80x24(snap_compare):
