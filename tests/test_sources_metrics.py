@@ -7,7 +7,10 @@ absent (never 0) and the panels' notes must name what is missing.
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +168,49 @@ def test_a_real_vllm_recording_under_load():
     assert ttft["count"] == 20 and ttft["window"]["count"] == 8  # 8 first tokens between the two scrapes
     assert ttft["p50"] <= ttft["p95"] <= ttft["p99"]
     assert frame["throughput"]["generation_tokens_per_s"] > 0
+
+
+class _Misbehaving(http.server.BaseHTTPRequestHandler):
+    """/hang answers nothing for a minute; /garbage answers 200 with bytes that are not metrics."""
+
+    def do_GET(self):
+        if self.path == "/hang":
+            time.sleep(60)
+            return
+        body = b"\x00\xff<html>{{not metrics" if self.path == "/garbage" else (FIXTURES / "vllm_t0.prom").read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def misbehaving():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_hanging_or_garbage_endpoint_is_unavailable_not_stuck(misbehaving):
+    from kvtop.sources import SourceUnavailable
+    from kvtop.sources.metrics import MetricsSource
+
+    for path, says in (("/hang", "Timeout"), ("/garbage", "not Prometheus text")):
+        source = MetricsSource(misbehaving + path, timeout=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(SourceUnavailable, match=says):
+            source.poll()
+        assert time.monotonic() - t0 < 10  # bounded by the timeout: the screen never waits on one engine
+        assert source.disconnected_since is not None and source.last_error
+        source.close()
+    source = MetricsSource(misbehaving + "/metrics")  # the same server, a good page: frames again
+    assert source.poll()["engine"]["kind"] == "vllm"
+    source.close()
 
 
 # ---- against our own real server's /metrics (a remote engine whose socket is out of reach) ----
