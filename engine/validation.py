@@ -26,11 +26,17 @@ class PromptLimits:
 
     def check(self, token_ids: list[int], what: str = "prompt") -> None:
         """Raise InvalidRequestError (its message says what fits) for a prompt that can never run."""
+        self.check_ids(token_ids, what)
+        self.check_length(token_ids, what)
+
+    def check_ids(self, token_ids: list[int], what: str = "prompt") -> None:
         if not token_ids:
             raise InvalidRequestError(f"{what} is empty")
         bad = self.bad_token(token_ids)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_length(self, token_ids: list[int], what: str = "prompt") -> None:
         if len(token_ids) >= self.max_seq_len:
             raise InvalidRequestError(
                 f"the {what} has {len(token_ids)} tokens but at most {self.max_seq_len - 1} fit "

@@ -90,3 +90,11 @@ def test_sizes_parse():
     assert parse_size("1.5GiB") == int(1.5 * 1024**3)
     assert parse_size("500MB") == 500 * 1000**2
     assert parse_size("4096") == 4096
+
+
+def test_out_of_vocabulary_ids_are_refused_in_the_servers_words(tiny_llm):
+    """engine.validation.PromptLimits is the one validator: the server's 400 carries this message too."""
+    vocab = tiny_llm.engine.spec.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"^token id {vocab} is outside the vocabulary \[0, {vocab}\)$"):
+        tiny_llm.engine.add_request([1, vocab], SamplingParams())
+    assert not tiny_llm.engine.has_unfinished()

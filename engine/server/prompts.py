@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from engine.errors import InvalidRequestError
 from engine.server.protocol import APIError, ChatCompletionRequest
 
 CHARS_PER_TOKEN = 16
@@ -90,11 +91,10 @@ class PromptBuilder:
 
     # ---- exact limits, on token ids --------------------------------------------------------
     def check_tokens(self, ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise APIError(400, f"{param} is empty", param=param, code="invalid_value")
-        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab})", param=param)
+        try:
+            self.engine.limits.check_ids(ids, param)  # the engine's own rules and words
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=param, code=None if ids else "invalid_value") from None
         return ids
 
     def check_stop_token_ids(self, ids: list[int] | None) -> list[int]:
@@ -106,14 +106,10 @@ class PromptBuilder:
     def max_tokens_for(self, ids: list[int], asked: int | None, default: int | None, param: str) -> int:
         engine, kv_tokens = self.engine, self.kv_tokens
         limit = engine.max_seq_len  # min(max_model_len, KV cache capacity)
-        if len(ids) >= limit:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens but at most {limit - 1} fit (max_model_len="
-                f"{engine.max_model_len}, KV cache {kv_tokens} tokens)",
-                param=param,
-                code="context_length_exceeded",
-            )
+        try:
+            engine.limits.check_length(ids)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         if asked is None:
             return default if default is not None else limit - len(ids)
         if len(ids) + asked > engine.max_model_len:
