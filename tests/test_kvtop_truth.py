@@ -333,7 +333,8 @@ async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
 
 
 def lines_of(app: KvtopApp) -> list[str]:
-    return text(app.query_one(EngineHeader)).splitlines()
+    """The header's three lines (before the first frame is drawn, the third is empty)."""
+    return [*text(app.query_one(EngineHeader)).splitlines(), "", "", ""][:3]
 
 
 @pytest.mark.anyio
