@@ -280,7 +280,7 @@ def status(
     socket: SocketOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the whole stats frame as JSON.")] = False,
     url: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option("--url", help="Read any engine's Prometheus /metrics instead (vLLM, SGLang, llama.cpp, kvtop)."),
     ] = None,
     engine: Annotated[
@@ -290,8 +290,11 @@ def status(
     """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
     from kvtop.summary import render_status
 
-    if url is not None or engine is not None:
-        frame = _metrics_frame(url, engine, socket)
+    if url and len(url) > 1:  # a fleet: one line per engine
+        _fleet_status(url, engine, socket, json_out)
+        return
+    if url or engine is not None:
+        frame = _metrics_frame(url[0] if url else None, engine, socket)
         print(json.dumps(frame, indent=2)) if json_out else out.print(render_status(frame, out.width))
         return
     with _client(socket) as c:
@@ -325,6 +328,33 @@ def _metrics_frame(url: str | None, engine: str | None, socket: Path | None) -> 
         raise CLIError(f"cannot read {source.url}: {exc}") from None
     finally:
         source.close()
+
+
+def _fleet_status(urls: list[str], engine: str | None, socket: Path | None, json_out: bool) -> None:
+    """Every target scraped at once, twice a second apart (so rates show); one line each."""
+    from dataclasses import asdict
+
+    from kvtop.fleet import Fleet
+    from kvtop.fleet.table import fleet_table
+
+    if socket is not None:
+        raise CLIError("use --socket or --url, not both")
+    try:
+        fleet = Fleet(urls, timeout=5.0, engine=engine)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        fleet.poll()
+        time.sleep(1.0)
+        rows = fleet.poll()
+    finally:
+        fleet.close()
+    if json_out:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        out.print(fleet_table(rows))
+    if all(r.state != "ok" for r in rows):
+        raise CLIError("no engine answered")
 
 
 @app.command()

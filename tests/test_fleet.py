@@ -5,6 +5,8 @@ targets are marked, the good ones carry their figures, and rates come from a tar
 from __future__ import annotations
 
 import http.server
+import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -54,10 +56,14 @@ class Targets(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 128  # 24 engines connect at once; the default backlog of 5 would drop SYNs
+    daemon_threads = True
+
+
 @pytest.fixture
 def base():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -99,3 +105,26 @@ def test_a_fleet_round_is_bounded_and_marks_the_bad_targets(base):
 def test_a_bad_url_in_the_list_is_refused_up_front():
     with pytest.raises(ValueError, match="not an http"):
         Fleet(["http://127.0.0.1:1", "ftp://x/y"])
+
+
+def test_kvctl_status_with_several_urls_prints_one_line_per_engine(base):
+    from tests.server_harness import kvctl
+
+    urls = [f"{base}/vllm/0/metrics", f"{base}/sglang/0/metrics", f"{base}/llamacpp/0/metrics", f"{base}/garbage"]
+    r = kvctl("status", *[a for u in urls for a in ("--url", u)], "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {row["url"]: row for row in json.loads(r.stdout)}
+    assert [rows[u]["kind"] for u in urls[:3]] == ["vllm", "sglang", "llamacpp"]
+    assert rows[urls[0]]["running"] == 8 and rows[urls[1]]["waiting"] == 2826
+    assert rows[urls[3]]["state"] == "unreachable"
+    r = kvctl("status", *[a for u in urls for a in ("--url", u)], timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "4 engines" in r.stdout and "not Prometheus text" in r.stdout
+
+
+def test_kvctl_status_fails_when_no_engine_of_the_fleet_answers():
+    from tests.server_harness import kvctl
+
+    r = kvctl("status", "--url", "http://127.0.0.1:1", "--url", "http://127.0.0.1:2", timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "kvctl: no engine answered"
+    assert "Traceback" not in r.stderr

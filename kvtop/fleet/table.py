@@ -1,0 +1,34 @@
+"""The fleet as a rich table: one engine a line, `-` where the engine does not say."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from kvtop.fleet.poller import Row
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f} %"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _n(v) -> str:
+    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def fleet_table(rows: list[Row]) -> Table:
+    t = Table(box=None, header_style="bold", title=f"{len(rows)} engines", title_justify="left")
+    for col in ("engine", "kind", "model", "KV", "running", "waiting", "preempt/s", "prefix hit", "TTFT p99 ms",
+                "ITL p99 ms", "state"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("engine", "kind", "model", "state") else "right")
+    for r in rows:
+        state = Text("ok", "green") if r.state == "ok" else Text(f"{r.state}: {r.error or ''}"[:60], "red")
+        t.add_row(
+            Text(r.url), r.kind or "-", Text(r.model or "-"), _pct(r.kv_usage), _n(r.running), _n(r.waiting),
+            _n(r.preemptions_per_s), _pct(r.prefix_hit_rate), _ms(r.ttft_p99), _ms(r.itl_p99), state,
+        )  # fmt: skip
+    return t
