@@ -1,9 +1,6 @@
 """kvtop tells the truth: one meaning per number, nothing stale, no zeros where there is no data.
-
-The diagnosis on hand-made frames and on the frames of the recorded incidents in snapshots/;
-the dashboard's panels on hand-made frames; and against a real `kvctl serve`: the header when
-the engine is killed, and the restart as an event.
-"""
+The diagnosis on hand-made and recorded frames, panels on hand-made frames, NO_COLOR on a pty,
+and a real `kvctl serve`: 429s, draining, the engine killed (the header) and restarted (an event)."""
 
 from __future__ import annotations
 
@@ -306,11 +303,6 @@ class Load:
                 pass  # the server is down (the restart test): try again
             self.stopping.wait(0.3)
 
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(70)
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
@@ -319,7 +311,8 @@ def engine(tiny_dir):
     yield box
     load.stopping.set()
     box["server"].stop(signal.SIGKILL)
-    load.stop()
+    for t in load.threads:
+        t.join(70)
     box["server"].cleanup()
 
 
