@@ -196,7 +196,6 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
             return Text(f"… connecting to {src.path}", "italic")
         if self.paused:
             return Text.assemble(("⏸ paused", "bold yellow"), f" (space resumes) · {src.path}{ro}")
-        header.first().unreachable_since = getattr(self.source, "disconnected_since", None)
         return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
 
     def redraw(self) -> None:
@@ -204,6 +203,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         if not header:  # a frame that lands before the dashboard is mounted: the next one draws
             return
         view = self.view()
+        header.first().unreachable_since = getattr(self.source, "disconnected_since", None)
         header.first().show(view, self.status())
         if self.replay:
             self.base.query_one(Timeline).show(self.replay)
