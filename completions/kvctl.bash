@@ -72,11 +72,12 @@ _kvctl_complete() {
                 --dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return 0 ;;
                 --kv-cache-memory) COMPREPLY=(); return 0 ;;
                 --memory) COMPREPLY=(); return 0 ;;
+                --gpu-memory-utilization) COMPREPLY=(); return 0 ;;
                 --block-size) COMPREPLY=(); return 0 ;;
                 --context) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --block-size --context --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --context --json --help" -- "$cur") )
             fi
             ;;
         replay)
@@ -143,6 +144,9 @@ _kvctl_complete() {
                 --slo-ttft) COMPREPLY=(); return 0 ;;
                 --slo-itl) COMPREPLY=(); return 0 ;;
                 --snapshot-cooldown) COMPREPLY=(); return 0 ;;
+                --max-request-body) COMPREPLY=(); return 0 ;;
+                --read-timeout) COMPREPLY=(); return 0 ;;
+                --max-connections) COMPREPLY=(); return 0 ;;
                 --log-level) COMPREPLY=( $(compgen -W "critical error warning info debug" -- "$cur") ); return 0 ;;
                 --model|-m) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
                 --dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return 0 ;;
@@ -162,7 +166,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --log-level --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --log-level --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         snapshot)
@@ -172,18 +176,18 @@ _kvctl_complete() {
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--output -o --reason --socket --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--output -o --reason --force --socket --help" -- "$cur") )
             fi
             ;;
         status)
             case "$prev" in
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --url) COMPREPLY=(); return 0 ;;
+                --engine) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=( $(compgen -W "--socket --json --url --engine --help" -- "$cur") )
             fi
-                --url) COMPREPLY=(); return 0 ;;
-                --engine) COMPREPLY=(); return 0 ;;
             ;;
     esac
     return 0

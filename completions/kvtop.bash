@@ -8,7 +8,7 @@ _kvtop_complete() {
         --replay) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
     esac
     if [[ "$cur" == -* ]]; then
-        COMPREPLY=( $(compgen -W "--socket --interval --readonly --replay --help" -- "$cur") )
+        COMPREPLY=( $(compgen -W "--socket --interval --readonly --replay --version --help" -- "$cur") )
     fi
     return 0
 }

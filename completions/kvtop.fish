@@ -5,4 +5,5 @@ complete -c kvtop -l socket -r -F -d 'Control socket default, KVTOP_SOCKET, else
 complete -c kvtop -l interval -x -d 'Seconds between polls.'
 complete -c kvtop -l readonly -d 'No actions, drain, resume, evict and snapshot are removed.'
 complete -c kvtop -l replay -r -F -d 'Replay a .kvsnap snapshot instead of watching an engine.'
+complete -c kvtop -l version -d 'Print the version and exit.'
 complete -c kvtop -l help -d 'Show help and exit.'
