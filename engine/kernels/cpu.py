@@ -25,7 +25,8 @@ from engine.kernels import reference
 
 # Writing K/V is an index_put over the new tokens' slots: the reference's is already in place.
 from engine.kernels.reference import store_kv  # noqa: F401
-from engine.model.loader import cache_dir, log
+from engine.log import log
+from engine.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
