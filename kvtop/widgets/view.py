@@ -55,8 +55,11 @@ class LinesStatic(Static):
         old, self._drawn = self._drawn, content
         if isinstance(old, Text) and isinstance(content, Text):
             before, after = old.split("\n", allow_blank=True), content.split("\n", allow_blank=True)
-            if len(before) == len(after):
-                width = max(1, self.size.width)
+            width = max(1, self.size.width)
+            # a line wider than the widget wraps onto the next screen rows: then text line y is not
+            # screen row y, and repainting row y alone would leave stale rows below it on a terminal
+            fits = all(line.cell_len <= width for line in (*before, *after))
+            if fits and len(before) == len(after):
                 self._dirty_lines = [Region(0, y, width, 1) for y, (a, b) in enumerate(zip(before, after)) if a != b]
                 if not self._dirty_lines:
                     self._dirty_lines = None
