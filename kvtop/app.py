@@ -162,7 +162,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     def _focus_sequences(self) -> None:
         """With every panel on screen, ↑/↓ move through the sequences (tab moves focus on)."""
-        if self.base.query_one(Dashboard).mode in ("wide", "overview"):
+        if self.screen_stack and self.base.query_one(Dashboard).mode in ("wide", "overview"):
             self.base.query_one(SequencesTable).focus()
 
     # ---- drawing ---------------------------------------------------------------------------
@@ -199,6 +199,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
 
     def redraw(self) -> None:
+        if not self.screen_stack:  # a message that lands while the app closes: nothing to draw on
+            return
         header = self.base.query(EngineHeader)
         if not header:  # a frame that lands before the dashboard is mounted: the next one draws
             return
@@ -216,7 +218,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     def _redraw_one(self, kind: type) -> None:
         view = self.view()
-        if view is not None:
+        if view is not None and self.screen_stack:
             for w in self.base.query(kind):
                 w.show(view)
 

@@ -20,6 +20,7 @@ import pytest
 
 from engine.snapshot import read_snapshot
 from kvtop.app import KvtopApp
+from kvtop.messages import SequenceSelected
 from kvtop.sources import ReplaySource
 from kvtop.widgets.block_map import BlockMap
 from kvtop.widgets.dashboard import Dashboard
@@ -178,3 +179,16 @@ def test_a_real_terminal_is_repainted_where_a_panel_line_wraps():
     assert last[:10] in after, f"the block map was not repainted with the last frame ({last[:10]!r})"
     term.press("q")
     term.hang_up()
+
+
+@pytest.mark.anyio
+async def test_a_message_that_lands_while_kvtop_quits_is_dropped():
+    """A cursor move or a frame posted just before quitting is handled after the screens are gone;
+    it must not end kvtop with a traceback (seen once in CI as an IndexError on quit)."""
+    app = KvtopApp(ReplaySource(read_snapshot(STORM)))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+    assert not app.screen_stack
+    app._selected(SequenceSelected("cmpl-gone"))
+    app.redraw()
+    app._focus_sequences()
