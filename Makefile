@@ -24,7 +24,7 @@ model: $(STAMP)
 
 # the server on $(MODEL) in the background, a mixed load through the OpenAI API, a summary, a clean stop
 demo: model
-	$(BIN)/python -m kvtop.demo --model $(MODEL)
+	$(BIN)/python -m kvtop.ctl.demo --model $(MODEL)
 
 # vLLM's CPU build in its own venv, for kvtop's tests against a real vLLM (docs/engines.md). About 13 min and
 # 3.4 GiB on 2 cores. Its CUDA torchvision/torchaudio/torchcodec break `import transformers`: removed.
@@ -39,7 +39,7 @@ $(VLLM_VENV)/.installed:
 vllm: $(VLLM_VENV)/.installed
 
 completions: $(STAMP)
-	$(BIN)/python -m kvtop.completion completions
+	$(BIN)/python -m kvtop.ctl.completion completions
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-KVCTL = [sys.executable, "-m", "kvtop.cli"]
+KVCTL = [sys.executable, "-m", "kvtop.ctl.cli"]
 API_KEY = "test-key-123"
 
 

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvtop import bench
+from kvtop.ctl import bench
 from tests.server_harness import kvctl, start_server
 
 

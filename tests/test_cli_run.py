@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-BIN = [sys.executable, "-m", "kvtop.cli"]
+BIN = [sys.executable, "-m", "kvtop.ctl.cli"]
 
 
 def kvctl(*args, **kw):

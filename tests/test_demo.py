@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # serves SmolLM2-135M and drives ~30 requests at 
 
 def test_demo_summary_shows_the_kv_cache_bounding_concurrency():
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtop.demo", "--no-dashboard", "--free", "4", "--max-tokens", "32"],
+        [sys.executable, "-m", "kvtop.ctl.demo", "--no-dashboard", "--free", "4", "--max-tokens", "32"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

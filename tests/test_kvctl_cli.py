@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.snapshot import write_snapshot
-from kvtop import cli
-from kvtop.completion import generate
+from kvtop.ctl import cli
+from kvtop.ctl.completion import generate
 from tests.server_harness import kvctl, start_server
 
 ROOT = Path(__file__).parents[1]
@@ -132,16 +132,16 @@ def test_replay_refuses_a_bad_file_in_one_line(tmp_path, capsys):
 
 
 def test_replay_opens_the_dashboard(tmp_path, monkeypatch):
-    import kvtop.app
+    import kvtop.dashboard.app
 
     snap = _good_snapshot(tmp_path / "ok.kvsnap")
     calls = []
-    monkeypatch.setattr(kvtop.app, "main", lambda argv=None: calls.append(argv))
+    monkeypatch.setattr(kvtop.dashboard.app, "main", lambda argv=None: calls.append(argv))
     result = CliRunner().invoke(cli.app, ["replay", str(snap)])
     assert result.exit_code == 0, result.output
     assert calls == [["--replay", str(snap)]]
 
-    monkeypatch.setattr(kvtop.app, "main", lambda: None)  # a dashboard without argv: not there yet
+    monkeypatch.setattr(kvtop.dashboard.app, "main", lambda: None)  # a dashboard without argv: not there yet
     result = CliRunner().invoke(cli.app, ["replay", str(snap)])
     assert result.exit_code == 0
     assert "2 frames" in result.output and "dashboard is not available yet" in result.output
@@ -194,10 +194,10 @@ def test_zsh_and_fish_scripts_parse(shell):
 def test_version_of_kvctl_and_kvtop():
     from kvtop import __version__
 
-    for prog in ("kvtop.cli", "kvtop.app"):
+    for prog in ("kvtop.ctl.cli", "kvtop.dashboard.app"):
         proc = subprocess.run([sys.executable, "-m", prog, "--version"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        name = {"kvtop.cli": "kvctl", "kvtop.app": "kvtop"}[prog]
+        name = {"kvtop.ctl.cli": "kvctl", "kvtop.dashboard.app": "kvtop"}[prog]
         assert proc.stdout.strip() == f"{name} {__version__}"  # not "Missing command"
 
 

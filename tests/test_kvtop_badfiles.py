@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtop.app import main
+from kvtop.dashboard.app import main
 
 SNAPSHOTS = sorted((Path(__file__).resolve().parent.parent / "snapshots").glob("*.kvsnap"))
 
@@ -59,7 +59,7 @@ def test_bad_file_is_one_line_and_a_nonzero_exit(case: str, tmp_path: Path, caps
     path = tmp_path / f"{case}.kvsnap"
     make(path)
     started = []
-    monkeypatch.setattr("kvtop.app.KvtopApp.run", lambda self, *a, **k: started.append(self))
+    monkeypatch.setattr("kvtop.dashboard.app.KvtopApp.run", lambda self, *a, **k: started.append(self))
     with pytest.raises(SystemExit) as exit_info:
         main(["--replay", str(path)])
     assert exit_info.value.code not in (0, None)
@@ -77,7 +77,7 @@ def test_bad_file_from_the_console_script(tmp_path: Path):
     path = tmp_path / "garbage.kvsnap"
     path.write_bytes(b"\x00\x01garbage" * 100)
     proc = subprocess.run(
-        [sys.executable, "-c", "from kvtop.app import main; main()", "--replay", str(path)],
+        [sys.executable, "-c", "from kvtop.dashboard.app import main; main()", "--replay", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -142,7 +142,11 @@ def test_crafted_snapshot_is_one_line_and_exit_1(case: str, tool: str, tmp_path:
     make, expected = CRAFTED[case]
     path = tmp_path / "crafted.kvsnap"
     make(path)
-    cmd = ["-m", "kvtop.cli", "replay", str(path)] if tool == "kvctl" else ["-m", "kvtop.app", "--replay", str(path)]
+    cmd = (
+        ["-m", "kvtop.ctl.cli", "replay", str(path)]
+        if tool == "kvctl"
+        else ["-m", "kvtop.dashboard.app", "--replay", str(path)]
+    )
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
@@ -154,10 +158,10 @@ def test_crafted_snapshot_is_one_line_and_exit_1(case: str, tool: str, tmp_path:
 
 @pytest.mark.anyio
 async def test_a_bad_frame_met_while_replaying_is_a_status_line(tmp_path: Path):
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets.header import EngineHeader
+    from kvtop.dashboard.widgets.timeline import Timeline
     from kvtop.sources import ReplaySource
-    from kvtop.widgets.header import EngineHeader
-    from kvtop.widgets.timeline import Timeline
     from tests.helpers import widget_text
 
     path = tmp_path / "late.kvsnap"
@@ -279,9 +283,9 @@ def test_lazy_frames_keep_a_bounded_cache(big_snapshot: Path):
 
 @pytest.mark.anyio
 async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path):
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets.sequences import MAX_ROWS, SequencesPanel, SequencesTable
     from kvtop.sources import ReplaySource
-    from kvtop.widgets.sequences import MAX_ROWS, SequencesPanel, SequencesTable
 
     path = tmp_path / "crowd.kvsnap"
     crowd = _first_frame()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.block_map import BlockMap, render_cells, summarise
 from kvtop.sources import LiveSource
-from kvtop.widgets.block_map import BlockMap, render_cells, summarise
 
 STORM = Path(__file__).resolve().parent.parent / "snapshots" / "preemption-storm.kvsnap"
 BLOCKS = 6000

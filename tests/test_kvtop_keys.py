@@ -18,15 +18,15 @@ from textual import events
 from textual.widgets import Button, Checkbox, Input
 
 from engine.snapshot import read_snapshot, write_snapshot
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.confirm import ConfirmScreen
+from kvtop.dashboard.widgets.drain_dialog import DrainScreen
+from kvtop.dashboard.widgets.help import HelpScreen, key_label
+from kvtop.dashboard.widgets.sequence_detail import SequenceScreen, block_ranges
+from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.sources import ReplaySource
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.confirm import ConfirmScreen
-from kvtop.widgets.drain_dialog import DrainScreen
-from kvtop.widgets.help import HelpScreen, key_label
-from kvtop.widgets.sequence_detail import SequenceScreen, block_ranges
-from kvtop.widgets.sequences import SequencesPanel, SequencesTable
-from kvtop.widgets.sort_picker import SortScreen
 from tests.helpers import widget_text as text
 from tests.test_kvtop_live import SIZE, Engine, Load, busy, live_app, until
 from tests.test_kvtop_terminal import Terminal, base_env

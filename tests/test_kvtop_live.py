@@ -13,23 +13,23 @@ import httpx
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
 from kvtop.client import EngineClient
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.confirm import ConfirmScreen
+from kvtop.dashboard.widgets.dashboard import Dashboard
+from kvtop.dashboard.widgets.drain_dialog import DrainScreen
+from kvtop.dashboard.widgets.events import EventsPanel
+from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.help import HelpScreen
+from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.dashboard.widgets.latency import LatencyPanel
+from kvtop.dashboard.widgets.memory import MemoryPanel
+from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
+from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
+from kvtop.dashboard.widgets.throughput import ThroughputPanel
 from kvtop.sources import LiveSource
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.confirm import ConfirmScreen
-from kvtop.widgets.dashboard import Dashboard
-from kvtop.widgets.drain_dialog import DrainScreen
-from kvtop.widgets.events import EventsPanel
-from kvtop.widgets.header import EngineHeader
-from kvtop.widgets.help import HelpScreen
-from kvtop.widgets.kv_panel import KVPanel
-from kvtop.widgets.latency import LatencyPanel
-from kvtop.widgets.memory import MemoryPanel
-from kvtop.widgets.prefix_panel import PrefixPanel
-from kvtop.widgets.sequences import SequencesPanel, SequencesTable
-from kvtop.widgets.snapshot_dialog import SnapshotScreen
-from kvtop.widgets.throughput import ThroughputPanel
 from tests.helpers import widget_text as text
 from tests.server_harness import start_server
 

@@ -7,12 +7,12 @@ import copy
 from pathlib import Path
 
 from engine.snapshot import read_snapshot
-from kvtop.widgets import series
-from kvtop.widgets.header import drain_detail
-from kvtop.widgets.latency import LatencyPanel, window_counts
-from kvtop.widgets.memory import MemoryPanel
-from kvtop.widgets.sequences import visible
-from kvtop.widgets.view import View, ViewState
+from kvtop.dashboard.widgets import series
+from kvtop.dashboard.widgets.header import drain_detail
+from kvtop.dashboard.widgets.latency import LatencyPanel, window_counts
+from kvtop.dashboard.widgets.memory import MemoryPanel
+from kvtop.dashboard.widgets.sequences import visible
+from kvtop.dashboard.widgets.view import View, ViewState
 
 STORM = Path(__file__).resolve().parent.parent / "snapshots" / "preemption-storm.kvsnap"
 FRAMES = read_snapshot(STORM).frames

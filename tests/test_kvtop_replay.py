@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.events import EventsPanel
+from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.dashboard.widgets.sequences import SequencesPanel
+from kvtop.dashboard.widgets.timeline import Timeline
 from kvtop.sources import ReplaySource, parse_offset
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.events import EventsPanel
-from kvtop.widgets.header import EngineHeader
-from kvtop.widgets.kv_panel import KVPanel
-from kvtop.widgets.sequences import SequencesPanel
-from kvtop.widgets.timeline import Timeline
 from tests.helpers import widget_text as text
 
 SNAPSHOTS = sorted((Path(__file__).resolve().parent.parent / "snapshots").glob("*.kvsnap"))

@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
 from kvtop.sources import LiveSource, ReplaySource
 
 ROOT = Path(__file__).resolve().parent.parent

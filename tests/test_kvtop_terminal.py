@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
-from kvtop.messages import SequenceSelected
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.messages import SequenceSelected
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.dashboard import Dashboard
+from kvtop.dashboard.widgets.kv_panel import KVPanel
 from kvtop.sources import ReplaySource
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.dashboard import Dashboard
-from kvtop.widgets.kv_panel import KVPanel
 from tests.helpers import widget_text as text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,9 @@ class Terminal:
         if self.pid == 0:  # the child: the terminal's size, then kvtop
             cols, rows = size
             fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-            os.execve(sys.executable, [sys.executable, "-c", "from kvtop.app import main; main()", *args], env)
+            os.execve(
+                sys.executable, [sys.executable, "-c", "from kvtop.dashboard.app import main; main()", *args], env
+            )
 
     def read_until(self, needle: str, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout

@@ -15,16 +15,16 @@ import httpx
 import pytest
 
 from engine.snapshot import read_snapshot
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.dashboard import Dashboard
+from kvtop.dashboard.widgets.events import EventsPanel
+from kvtop.dashboard.widgets.header import EngineHeader, engine_line, glance_line
+from kvtop.dashboard.widgets.latency import bound, histogram
+from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
+from kvtop.dashboard.widgets.throughput import ThroughputPanel
+from kvtop.dashboard.widgets.view import View, ViewState
 from kvtop.diagnosis import diagnose
 from kvtop.sources import LiveSource
-from kvtop.widgets.dashboard import Dashboard
-from kvtop.widgets.events import EventsPanel
-from kvtop.widgets.header import EngineHeader, engine_line, glance_line
-from kvtop.widgets.latency import bound, histogram
-from kvtop.widgets.prefix_panel import PrefixPanel
-from kvtop.widgets.throughput import ThroughputPanel
-from kvtop.widgets.view import View, ViewState
 from tests.helpers import widget_text as text
 from tests.server_harness import Server, start_server
 from tests.test_kvtop_terminal import Terminal, base_env

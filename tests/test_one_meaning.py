@@ -18,10 +18,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtop.app import KvtopApp
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.dashboard.widgets.view import View
 from kvtop.sources import LiveSource
-from kvtop.widgets.kv_panel import KVPanel
-from kvtop.widgets.view import View
 from tests.helpers import widget_text
 from tests.server_harness import kvctl, start_server
 

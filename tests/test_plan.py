@@ -26,7 +26,7 @@ def test_plan_matches_the_engine(tiny_dir, kvd):
 
 def test_plan_gqa_saving_and_cli_json(tiny_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtop.cli", "plan", str(tiny_dir / "config.json"), "--memory", "1GiB", "--json",
+        [sys.executable, "-m", "kvtop.ctl.cli", "plan", str(tiny_dir / "config.json"), "--memory", "1GiB", "--json",
          "--context", "512,2048"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -41,17 +41,17 @@ def test_plan_gqa_saving_and_cli_json(tiny_dir):
 
 
 def test_plan_table_and_errors(tiny_dir):
-    ok = subprocess.run([sys.executable, "-m", "kvtop.cli", "plan", str(tiny_dir), "--kv-cache-memory", "1GiB"],
+    ok = subprocess.run([sys.executable, "-m", "kvtop.ctl.cli", "plan", str(tiny_dir), "--kv-cache-memory", "1GiB"],
                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert "bytes/element" in ok.stdout and "GQA" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "kvtop.cli", "plan", "no-such-model"],
+    bad = subprocess.run([sys.executable, "-m", "kvtop.ctl.cli", "plan", "no-such-model"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode != 0 and "unknown model" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtop.cli", "plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtop.ctl.cli", "plan", *args], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
 
 

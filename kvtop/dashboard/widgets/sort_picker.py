@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from kvtop.widgets.view import SORT_COLUMNS
+from kvtop.dashboard.widgets.view import SORT_COLUMNS
 
 SORT_HELP = {  # column key: what sorting by it answers
     "id": "id",

@@ -26,8 +26,8 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input
 
-from kvtop.actions import OperatorActions, SequenceActions
-from kvtop.keys import (
+from kvtop.dashboard.actions import OperatorActions, SequenceActions
+from kvtop.dashboard.keys import (
     DASHBOARD_ACTIONS,
     FILTER_KEYS,
     LIVE_ACTIONS,
@@ -36,18 +36,18 @@ from kvtop.keys import (
     REPLAY_KEYS,
     VIEW_KEYS,
 )
-from kvtop.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
+from kvtop.dashboard.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.dashboard import Dashboard
+from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.help import HelpScreen
+from kvtop.dashboard.widgets.jump_dialog import JumpScreen
+from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
+from kvtop.dashboard.widgets.sequences import SequencesTable
+from kvtop.dashboard.widgets.timeline import Timeline
+from kvtop.dashboard.widgets.view import View, ViewState
 from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
-from kvtop.widgets import fmt
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.dashboard import Dashboard
-from kvtop.widgets.header import EngineHeader
-from kvtop.widgets.help import HelpScreen
-from kvtop.widgets.jump_dialog import JumpScreen
-from kvtop.widgets.sequence_detail import SequenceScreen
-from kvtop.widgets.sequences import SequencesTable
-from kvtop.widgets.timeline import Timeline
-from kvtop.widgets.view import View, ViewState
 
 
 class KvtopApp(OperatorActions, SequenceActions, App[int]):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvtop.widgets import fmt, series
-from kvtop.widgets.view import Panel, View
+from kvtop.dashboard.widgets import fmt, series
+from kvtop.dashboard.widgets.view import Panel, View
 
 
 def latest_ratio(history: list[dict], num: str, den: str) -> float | None:

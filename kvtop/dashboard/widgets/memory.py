@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvtop.widgets import fmt
-from kvtop.widgets.view import Panel, View
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.view import Panel, View
 
 
 class MemoryPanel(Panel):

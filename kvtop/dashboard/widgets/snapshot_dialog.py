@@ -9,7 +9,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Static
 
-from kvtop.widgets.form_dialog import FormScreen
+from kvtop.dashboard.widgets.form_dialog import FormScreen
 
 
 class SnapshotScreen(FormScreen[str | None]):

@@ -15,15 +15,15 @@ from textual.containers import Container, Horizontal, Vertical
 from textual.filter import ANSIToTruecolor, Monochrome, NoColor
 from textual.widgets import Static, TabbedContent, TabPane
 
-from kvtop.messages import LayoutRebuilt
-from kvtop.widgets.block_map import BlockMap
-from kvtop.widgets.events import EventsPanel
-from kvtop.widgets.kv_panel import KVPanel
-from kvtop.widgets.latency import LatencyPanel
-from kvtop.widgets.memory import MemoryPanel
-from kvtop.widgets.prefix_panel import PrefixPanel
-from kvtop.widgets.sequences import SequencesPanel
-from kvtop.widgets.throughput import ThroughputPanel
+from kvtop.dashboard.messages import LayoutRebuilt
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.events import EventsPanel
+from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.dashboard.widgets.latency import LatencyPanel
+from kvtop.dashboard.widgets.memory import MemoryPanel
+from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
+from kvtop.dashboard.widgets.sequences import SequencesPanel
+from kvtop.dashboard.widgets.throughput import ThroughputPanel
 
 WIDE = (140, 40)
 OVERVIEW = (110, 34)

@@ -1,4 +1,4 @@
-"""`kvctl bench` and `kvctl bench compare`: typer shells over kvtop.bench."""
+"""`kvctl bench` and `kvctl bench compare`: typer shells over kvtop.ctl.bench."""
 
 import asyncio
 import json
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtop import bench
+from kvtop.ctl import bench
 
 bench_app = typer.Typer(help="Load-test an OpenAI-compatible server; compare two runs.", no_args_is_help=False)
 out = Console()

@@ -17,8 +17,8 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
-from kvtop.widgets import fmt
-from kvtop.widgets.view import LinesStatic, View
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.view import LinesStatic, View
 
 PRIORITY = "suoc."  # tie-break for the dominant state: the busier state wins
 DENSITY = ((0.0, "."), (1 / 3, "░"), (2 / 3, "▒"), (0.999, "▓"), (1.0, "█"))

@@ -15,8 +15,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from kvtop.widgets import fmt
-from kvtop.widgets.view import View
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.view import View
 
 
 def block_ranges(ids: list[int]) -> str:

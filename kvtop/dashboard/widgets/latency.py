@@ -12,8 +12,8 @@ from bisect import bisect_left
 
 from rich.text import Text
 
-from kvtop.widgets import fmt, series
-from kvtop.widgets.view import Panel, View
+from kvtop.dashboard.widgets import fmt, series
+from kvtop.dashboard.widgets.view import Panel, View
 
 METRICS = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e"), ("queue", "queue"))
 MARGIN = 6

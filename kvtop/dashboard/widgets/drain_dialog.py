@@ -16,7 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.widgets import Button, Checkbox, Input, Label, Static
 
-from kvtop.widgets.form_dialog import FormScreen
+from kvtop.dashboard.widgets.form_dialog import FormScreen
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Static rather than typer's call-back scripts: a TAB must not start Python. The scripts are
 checked in under `completions/` (`make completions` rewrites them; a test fails when they are
-stale). The command tree is read from the typer app (kvctl) and from whatever `kvtop.app`
+stale). The command tree is read from the typer app (kvctl) and from whatever `kvtop.dashboard.app`
 exposes (a typer/click app or an argparse parser); choices the CLI keeps as plain strings come
 from the constants in `engine.config`.
 """
@@ -123,15 +123,15 @@ def from_argparse(parser: argparse.ArgumentParser, name: str) -> Cmd:
 def kvctl_command() -> Cmd:
     import typer
 
-    from kvtop.cli import app
+    from kvtop.ctl.cli import app
 
     return from_click(typer.main.get_command(app), "kvctl")
 
 
 def kvtop_command() -> Cmd | None:
-    """kvtop's CLI when `kvtop.app` exposes one (typer/click app, or an argparse parser); else None."""
+    """kvtop's CLI when `kvtop.dashboard.app` exposes one (typer/click app, or an argparse parser); else None."""
     try:
-        import kvtop.app as module
+        import kvtop.dashboard.app as module
     except Exception:
         return None
     import typer

@@ -19,17 +19,17 @@ from pathlib import Path
 from textual import work
 from textual.screen import Screen
 
-from kvtop.messages import ActionFinished, FilterChanged, SequenceOpened, SortChosen
+from kvtop.dashboard.messages import ActionFinished, FilterChanged, SequenceOpened, SortChosen
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.confirm import ConfirmScreen
+from kvtop.dashboard.widgets.dashboard import Dashboard
+from kvtop.dashboard.widgets.drain_dialog import DrainRequest, DrainScreen
+from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
+from kvtop.dashboard.widgets.sequences import COLUMNS, SequencesPanel
+from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
+from kvtop.dashboard.widgets.sort_picker import SortScreen
+from kvtop.dashboard.widgets.view import View, ViewState
 from kvtop.sources import FrameSource, LiveSource
-from kvtop.widgets import fmt
-from kvtop.widgets.confirm import ConfirmScreen
-from kvtop.widgets.dashboard import Dashboard
-from kvtop.widgets.drain_dialog import DrainRequest, DrainScreen
-from kvtop.widgets.sequence_detail import SequenceScreen
-from kvtop.widgets.sequences import COLUMNS, SequencesPanel
-from kvtop.widgets.snapshot_dialog import SnapshotScreen
-from kvtop.widgets.sort_picker import SortScreen
-from kvtop.widgets.view import View, ViewState
 
 
 class OperatorActions:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from rich.text import Text
 
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.view import Panel, View
 from kvtop.sources import BURSTY_EVENTS, NOTABLE_EVENTS
-from kvtop.widgets import fmt
-from kvtop.widgets.view import Panel, View
 
 BURST_GAP_S = 5.0
 KIND_STYLES = {

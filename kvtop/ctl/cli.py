@@ -18,14 +18,14 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.server.config import TRIGGERS, ServerConfig
 from kvtop.client import EngineClient, EngineRequestError, EngineUnavailable
-from kvtop.options import with_engine_options
+from kvtop.ctl.options import with_engine_options
 
 
 class _Commands(TyperGroup):
     """kvctl's command group, with commands whose modules import torch loaded only when used
     (run, or listed by --help), so that `kvctl status`, `drain` or a completion stay instant."""
 
-    LAZY: ClassVar[dict[str, tuple[str, str]]] = {"plan": ("kvtop.plan_cmd", "plan_command")}
+    LAZY: ClassVar[dict[str, tuple[str, str]]] = {"plan": ("kvtop.ctl.plan_cmd", "plan_command")}
 
     def list_commands(self, ctx) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
@@ -99,7 +99,7 @@ def run(
 ) -> None:
     """Offline batch: generate for every prompt in a JSONL file, with a progress bar and a summary."""
     from engine import LLMEngine
-    from kvtop.run import output_record, read_prompts, run_batch
+    from kvtop.ctl.run import output_record, read_prompts, run_batch
 
     if not prompts.exists():
         raise CLIError(f"no such prompts file: {prompts}")
@@ -161,9 +161,9 @@ def run(
     out.print(table)
 
 
-from kvtop.bench_cmd import bench_app  # noqa: E402
+from kvtop.ctl.bench_cmd import bench_app  # noqa: E402
 
-# `plan` is registered in _Commands.LAZY: kvtop.plan_cmd imports torch
+# `plan` is registered in _Commands.LAZY: kvtop.ctl.plan_cmd imports torch
 app.add_typer(bench_app, name="bench")
 
 
@@ -288,7 +288,7 @@ def status(
     ] = None,
 ) -> None:
     """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
-    from kvtop.summary import render_status
+    from kvtop.ctl.summary import render_status
 
     if url and len(url) > 1:  # a fleet: one line per engine
         _fleet_status(url, engine, socket, json_out)
@@ -506,7 +506,7 @@ def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")
     from engine.snapshot_reader import SnapshotReader
 
     SnapshotReader(file).close()  # a quick look, not a load: SnapshotError is one line and exit 1 (main)
-    from kvtop import app as dashboard
+    from kvtop.dashboard import app as dashboard
 
     try:
         takes_argv = bool(inspect.signature(dashboard.main).parameters)
@@ -533,7 +533,7 @@ def completion(
     prog: Annotated[str, typer.Option(help="The program to complete: kvctl or kvtop.")] = "kvctl",
 ) -> None:
     """Print a shell completion script (see README: Shell completion)."""
-    from kvtop.completion import script
+    from kvtop.ctl.completion import script
 
     try:
         sys.stdout.write(script(prog, shell))

@@ -12,9 +12,9 @@ import time
 
 from rich.text import Text
 
+from kvtop.dashboard.widgets import fmt, series
+from kvtop.dashboard.widgets.view import LinesStatic, View
 from kvtop.diagnosis import diagnose
-from kvtop.widgets import fmt, series
-from kvtop.widgets.view import LinesStatic, View
 
 STATE_STYLES = {"running": "bold green", "draining": "bold yellow", "drained": "bold red"}
 REJECT_CODES = {"queue_full": "429", "draining": "503"}

@@ -11,10 +11,10 @@ first minute blocks run short, requests wait, running ones are preempted and rec
 shared system prompt hits the prefix cache and finished requests' cached blocks are evicted. The
 summary says so in plain words, with the diagnosis (kvtop.diagnosis) seen while it ran.
 
-The load: the chats of `kvtop/data/demo_prompts.jsonl` (they share a system prompt, so the
+The load: the chats of `kvtop/ctl/data/demo_prompts.jsonl` (they share a system prompt, so the
 prefix cache has something to find) mixed with free-form completions; a third of them stream.
 While it runs, a progress bar shows requests done and the engine's own view from the control
-socket (running, waiting, KV usage). Run `python -m kvtop.demo --help` for the knobs.
+socket (running, waiting, KV usage). Run `python -m kvtop.ctl.demo --help` for the knobs.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
     loader = threading.Thread(target=lambda: asyncio.run(rounds()), name="demo-load", daemon=True)
     loader.start()
     try:
-        subprocess.run([sys.executable, "-m", "kvtop.app", "--socket", str(socket)], check=False)
+        subprocess.run([sys.executable, "-m", "kvtop.dashboard.app", "--socket", str(socket)], check=False)
     finally:
         stop.set()
         console.print("dashboard closed; letting the requests in flight finish…")
@@ -291,7 +291,7 @@ def summary(results: list[Result], elapsed: float, watch: Watch, frame: dict) ->
 
 def start_server(model: str, tmp: Path, serve_args: list[str]) -> tuple[subprocess.Popen, Path, Path]:
     socket, log = tmp / "engine.sock", tmp / "server.log"
-    cmd = [sys.executable, "-m", "kvtop.cli", "serve", "--model", model, "--port", "0", "--socket", str(socket),
+    cmd = [sys.executable, "-m", "kvtop.ctl.cli", "serve", "--model", model, "--port", "0", "--socket", str(socket),
            "--snapshot-dir", str(tmp / "snapshots"), *serve_args]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -324,7 +324,7 @@ def stop_server(proc: subprocess.Popen, socket: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtop.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvtop.ctl.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--free", type=int, default=16, help="free-form completions besides the shared-prefix chats")
     ap.add_argument("--max-tokens", type=int, default=48)

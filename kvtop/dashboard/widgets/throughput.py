@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvtop.widgets import fmt, series
-from kvtop.widgets.header import rejected_summary
-from kvtop.widgets.view import Panel, View
+from kvtop.dashboard.widgets import fmt, series
+from kvtop.dashboard.widgets.header import rejected_summary
+from kvtop.dashboard.widgets.view import Panel, View
 
 LINES = (  # label, style, how to get the series
     ("prompt tok/s", "cyan", "throughput.prompt_tokens_per_s"),

@@ -18,9 +18,9 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import DataTable, Input
 
-from kvtop.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
-from kvtop.widgets import fmt
-from kvtop.widgets.view import SORT_COLUMNS, View
+from kvtop.dashboard.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.view import SORT_COLUMNS, View
 
 ID_WIDTH = 12
 MAX_ROWS = 500  # rows drawn, in the chosen order; the title says how many more there are

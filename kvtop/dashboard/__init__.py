@@ -1,0 +1,1 @@
+"""The dashboard: the Textual app `kvtop`, its panels, dialogs, keys and actions."""
