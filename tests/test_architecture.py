@@ -1,0 +1,169 @@
+"""The shape docs/architecture.md promises, read from the source with `ast`: no import loop among
+the engine's and kvtop's modules, arrows that point one way (the engine never imports kvtop), no
+source file over 400 lines and no function over 60 lines outside the kernels.
+
+Each test lists every offender, so a failure says what to fix."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "kvtop")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+KERNELS = "engine/kernels/"  # Triton/C++ kernels: a kernel reads best as one function
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def run_time_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: module level, in functions and classes; not those under
+    `if TYPE_CHECKING:` (they only name a type for the checker and never execute)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in run_time_imports(ast.Module([child], [])))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from run_time_imports(node)
+
+
+def imported(path: Path, name: str, known: dict[str, Path]) -> Iterator[str]:
+    """Our modules that `path` (module `name`) imports. `from a import b` counts as importing `a.b`
+    when that is a module; importing `a.b` does not count as importing the package `a`."""
+    is_package = path.name == "__init__.py"
+    for node in run_time_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        for target in targets:
+            # a name inside a module resolves to that module
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: set(imported(path, name, known)) for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as one loop's
+    members in order; a module in one is part of an import loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def sources(tree: str) -> Iterator[tuple[str, str]]:
+    for path in sorted((ROOT / tree).rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), path.read_text()
+
+
+def long_functions_in(path: str, text: str) -> Iterator[str]:
+    for node in ast.walk(ast.parse(text, path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                yield f"{path}:{node.lineno} {node.name} ({lines} lines)"
+
+
+def long_functions(tree: str) -> list[str]:
+    return [f for path, text in sources(tree) if not path.startswith(KERNELS) for f in long_functions_in(path, text)]
+
+
+# kvtop/ is being reworked by another change of issue #12 (kvtop/ctl split); until it lands its checks may fail
+KVTOP_PENDING = pytest.mark.xfail(strict=False, reason="kvtop half of issue #12 pending")
+TREES = ["engine", pytest.param("kvtop", marks=KVTOP_PENDING), "benchmarks"]
+
+
+def test_the_checks_see_what_they_check():
+    """The graph finds imports of each form and the finders find what they look for (else the
+    checks below would pass on nothing)."""
+    graph = import_graph()
+    assert "engine.kv.cache" in graph["engine.llm_engine"]  # from engine.kv.cache import KVCache
+    assert "engine.kernels.triton.common" in graph["engine.kernels.triton.decode"]
+    assert "engine.snapshot_reader" in graph["engine.snapshot"]  # a function-level import
+    assert "engine.llm_engine" not in graph["engine.stats"]  # under `if TYPE_CHECKING:` only
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert len(list(sources("engine"))) > 50
+    body = "".join(f"    x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert list(long_functions_in("m.py", f"def f():\n{body}")) == [f"m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert not list(long_functions_in("m.py", f"async def f():\n{body[: body.rindex('    x')]}"))
+
+
+@pytest.mark.parametrize("tree", [t for t in TREES if t != "benchmarks"])
+def test_no_import_loop(tree):
+    loops = [loop for loop in cycles(import_graph()) if loop[0].split(".")[0] == tree]
+    assert not loops, "import loops (each line: modules that import each other round a loop):\n" + "\n".join(
+        " <-> ".join(loop) for loop in loops
+    )
+
+
+def test_the_engine_never_imports_kvtop():
+    graph = import_graph()
+    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith("engine") for t in targets
+                   if t.startswith("kvtop"))  # fmt: skip
+    assert not wrong, "the engine must not import the operator tools:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_no_file_over_400_lines(tree):
+    big = [f"{path}: {text.count(chr(10))} lines" for path, text in sources(tree) if text.count("\n") > MAX_FILE_LINES]
+    assert not big, f"files over {MAX_FILE_LINES} lines (split them by job):\n" + "\n".join(big)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_no_function_over_60_lines_outside_the_kernels(tree):
+    long = long_functions(tree)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
