@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.snapshot import write_snapshot
-from kvtop.ctl import cli
+from kvtop.ctl import cli, summary
 from kvtop.ctl.completion import generate
+from kvtop.dashboard.widgets.block_map import render_cells
 from tests.server_harness import kvctl, start_server
 
 ROOT = Path(__file__).parents[1]
@@ -109,6 +110,31 @@ def test_serve_help_lists_engine_and_server_flags():
                  "--snapshot-on", "--snapshot-dir", "--kv-cache-memory", "--block-size", "--max-num-seqs",
                  "--kv-cache-dtype", "--enable-prefix-caching", "--served-model-name"):  # fmt: skip
         assert flag in result.output, flag
+
+
+def _cell_styles(rows) -> list[str]:
+    """The style of every character of rich Text rows, row after row."""
+    out = []
+    for row in rows:
+        for line in row.split("\n"):
+            styles = [""] * len(line.plain)
+            for span in line.spans:
+                styles[span.start : span.end] = [str(span.style)] * (span.end - span.start)
+            out += styles
+    return out
+
+
+def test_status_and_dashboard_colour_a_range_the_same_way():
+    # 768 blocks: `kvctl status` folds them into 4 rows of 96 (2 blocks a character), the dashboard
+    # at 2 blocks a cell: the same ranges. Every range is a tie, where counting alone cannot choose.
+    ties = ["uc", "cu", "su", "us", "c.", ".c", "ou", "uo", "s.", "co", "oc", ".s"]
+    chars = "".join(ties[i % len(ties)] for i in range(384))
+    status = summary.block_map(chars, 96)
+    dashboard = render_cells(chars, 2, 96, set())
+    assert _cell_styles([status]) == _cell_styles(dashboard)
+    # the busier state wins a tie, on both: used over cached, shared over used, cached over free
+    assert status.plain.replace("\n", "")[:6] == "uusscc"
+    assert _cell_styles(dashboard)[:3] == ["green", "green", "magenta"]
 
 
 def _good_snapshot(path: Path) -> Path:

@@ -9,24 +9,12 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.config import format_bytes
+from kvtop import blocks
+from kvtop.dashboard.widgets.fmt import duration, ms
 
 MAP_WIDTH = 96
 MAX_SEQUENCES = 12
 MAX_EVENTS = 6
-_MAP_STYLE = {".": "dim", "c": "cyan", "u": "green", "s": "magenta", "o": "yellow"}
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _dur(s: float) -> str:
-    s = int(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _bar(frac: float, width: int = 20) -> str:
@@ -35,36 +23,41 @@ def _bar(frac: float, width: int = 20) -> str:
 
 
 def block_map(chars: str, width: int = MAP_WIDTH) -> Text:
-    """The block map, one char per block (folded into runs of `width` when longer)."""
-    if len(chars) > width * 4:  # too many blocks: show each cell as the dominant state of a range
-        step = len(chars) / (width * 4)
-        chars = "".join(
-            max(set(seg), key=seg.count)
-            for seg in (chars[int(i * step) : int((i + 1) * step) or 1] for i in range(width * 4))
-        )
+    """The block map, one char per block in rows of `width`; past four rows, each char stands for a
+    range of blocks, its dominant state folded as the dashboard's map folds it (kvtop.blocks)."""
+    per_cell = blocks.blocks_per_cell(len(chars), width * 4)
+    if per_cell > 1:
+        chars = "".join(state for state, _ in blocks.fold(chars, per_cell))
     text = Text()
     for i in range(0, len(chars), width):
         if i:
             text.append("\n")
         for ch in chars[i : i + width]:
-            text.append(ch, style=_MAP_STYLE.get(ch, ""))
+            text.append(ch, style=blocks.STYLES.get(ch, ""))
     return text
 
 
 def render_status(frame: dict, width: int = 120, history: list[dict] | None = None) -> Group:
     """The report for a terminal `width` columns wide; `history` (earlier frames, oldest first)
     lets the diagnosis see rates."""
-    from kvtop.diagnosis import diagnose
-
     if (frame.get("source") or {}).get("kind") == "metrics":
         return render_partial(frame)
-    eng, kv, sched, prefix, lat, thr = (
-        frame[k] for k in ("engine", "kv", "scheduler", "prefix", "latency", "throughput")
-    )
-    server = frame.get("server", {})
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
+    _engine_rows(t, frame)
+    _kv_rows(t, frame, width, history or [])
+    _load_rows(t, frame)
+    parts: list = [t]
+    if frame.get("sequences"):
+        parts.append(_sequences(frame["sequences"]))
+    if frame.get("events"):
+        parts.append(_events(frame["events"][-MAX_EVENTS:]))
+    return Group(*parts)
+
+
+def _engine_rows(t: Table, frame: dict) -> None:
+    eng = frame["engine"]
     state_style = {"running": "green", "draining": "yellow", "drained": "red"}.get(eng["state"], "")
     t.add_row(
         "engine",
@@ -72,16 +65,22 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
             (eng["state"], state_style),
             f" · {eng['model']} on {eng['device']}"
             + (f" ({eng['dtype']}, attention {eng['attention_backend']})" if "dtype" in eng else "")
-            + f" · up {_dur(eng['uptime_s'])} · step {eng['step']}",
+            + f" · up {duration(eng['uptime_s'])} · step {eng['step']}",
         ),
     )
-    drain = server.get("drain")
+    drain = frame.get("server", {}).get("drain")
     if drain and eng["state"] != "running":
         left = f", deadline in {max(0.0, drain['deadline'] - time.time()):.0f} s" if drain.get("deadline") else ""
         then = " then abort" if drain.get("abort_after") else ""
         t.add_row(
             "drain", f"{len(frame.get('sequences', []))} requests left{left}{then}; aborted {drain.get('aborted', 0)}"
         )
+
+
+def _kv_rows(t: Table, frame: dict, width: int, history: list[dict]) -> None:
+    from kvtop.diagnosis import diagnose
+
+    kv = frame["kv"]
     t.add_row(
         "KV cache",
         f"{_bar(kv['usage'])} {kv['usage'] * 100:.1f} % held (peak {kv.get('peak_usage', kv['usage']) * 100:.1f} %)"
@@ -89,11 +88,15 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
         f" of {kv['num_blocks']} blocks × {kv['block_size']} tokens · {kv['bytes_per_token']} B/token ({kv['dtype']})",
     )
     t.add_row("", block_map(kv["blocks"], max(16, min(MAP_WIDTH, width - 14))))
-    findings = diagnose(frame, history or [])
+    findings = diagnose(frame, history)
     t.add_row("diagnosis", Text("\n".join(findings), style="yellow") if findings else "nothing stands out")
     cpu = kv.get("cpu") or {}
     if cpu.get("num_blocks"):
         t.add_row("CPU tier", f"{cpu['used']} / {cpu['num_blocks']} blocks")
+
+
+def _load_rows(t: Table, frame: dict) -> None:
+    sched, prefix, thr, server = frame["scheduler"], frame["prefix"], frame["throughput"], frame.get("server", {})
     queue = f" · {server['in_flight']} in flight (queue {server['max_queue']})" if "in_flight" in server else ""
     t.add_row(
         "requests",
@@ -105,9 +108,7 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
         f"{prefix['hit_rate'] * 100:.1f} % of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
         f" · saved ≈{prefix['saved_prefill_s']:.2f} s of prefill",
     )
-    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
-        h = lat[key]
-        t.add_row(label, f"p50 {_ms(h['p50'])} · p95 {_ms(h['p95'])} · p99 {_ms(h['p99'])} ms  ({h['count']} samples)")
+    _latency_rows(t, frame["latency"])
     t.add_row(
         "throughput",
         f"{thr['generation_tokens_per_s']:.1f} gen tok/s · {thr['prompt_tokens_per_s']:.1f} prompt tok/s"
@@ -120,32 +121,39 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
             f"weights {format_bytes(mem['weights'])} · KV {format_bytes(mem['kv'])} · device "
             f"{format_bytes(mem['device_used'])} / {format_bytes(mem['device_total'])}",
         )
-    parts: list = [t]
-    seqs = frame.get("sequences", [])
-    if seqs:
-        st = Table(title=f"sequences ({len(seqs)})", title_justify="left", box=None, header_style="bold")
-        for col in ("id", "state", "prompt", "output", "cached", "blocks", "KV", "age", "TTFT ms"):
-            st.add_column(col, justify="left" if col in ("id", "state") else "right")
-        for s in seqs[:MAX_SEQUENCES]:
-            st.add_row(
-                s["id"], s["state"], str(s["prompt_tokens"]), str(s["output_tokens"]), str(s["cached_tokens"]),
-                str(s["num_blocks"]), format_bytes(s["kv_bytes"]), _dur(s["age_s"]), _ms(s.get("ttft_s")),
-            )  # fmt: skip
-        if len(seqs) > MAX_SEQUENCES:
-            st.add_row(f"… {len(seqs) - MAX_SEQUENCES} more", *[""] * 8)
-        parts.append(st)
-    events = frame.get("events", [])[-MAX_EVENTS:]
-    if events:
-        et = Table(title="recent events", title_justify="left", box=None, show_header=False)
-        for e in events:
-            et.add_row(
-                time.strftime("%H:%M:%S", time.localtime(e["ts"])),
-                Text(e["kind"]),  # text, not markup: a snapshot path in a detail may hold [/brackets]
-                Text(e.get("seq_id") or ""),
-                Text(e.get("detail") or ""),
-            )
-        parts.append(et)
-    return Group(*parts)
+
+
+def _latency_rows(t: Table, lat: dict) -> None:
+    """TTFT, ITL and e2e percentiles, one row each; a histogram the frame lacks has no row."""
+    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
+        if h := lat.get(key):
+            t.add_row(label, f"p50 {ms(h['p50'])} · p95 {ms(h['p95'])} · p99 {ms(h['p99'])} ms  ({h['count']} samples)")
+
+
+def _sequences(seqs: list[dict]) -> Table:
+    st = Table(title=f"sequences ({len(seqs)})", title_justify="left", box=None, header_style="bold")
+    for col in ("id", "state", "prompt", "output", "cached", "blocks", "KV", "age", "TTFT ms"):
+        st.add_column(col, justify="left" if col in ("id", "state") else "right")
+    for s in seqs[:MAX_SEQUENCES]:
+        st.add_row(
+            s["id"], s["state"], str(s["prompt_tokens"]), str(s["output_tokens"]), str(s["cached_tokens"]),
+            str(s["num_blocks"]), format_bytes(s["kv_bytes"]), duration(s["age_s"]), ms(s.get("ttft_s")),
+        )  # fmt: skip
+    if len(seqs) > MAX_SEQUENCES:
+        st.add_row(f"… {len(seqs) - MAX_SEQUENCES} more", *[""] * 8)
+    return st
+
+
+def _events(events: list[dict]) -> Table:
+    et = Table(title="recent events", title_justify="left", box=None, show_header=False)
+    for e in events:
+        et.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e["ts"])),
+            Text(e["kind"]),  # text, not markup: a snapshot path in a detail may hold [/brackets]
+            Text(e.get("seq_id") or ""),
+            Text(e.get("detail") or ""),
+        )
+    return et
 
 
 def _opt(v, fmt: str = "{}") -> str:
@@ -173,12 +181,7 @@ def render_partial(frame: dict) -> Group:
     rate = prefix.get("hit_rate")
     hits = f" ({prefix['hit_tokens']} / {prefix['query_tokens']})" if "query_tokens" in prefix else ""
     t.add_row("prefix", "-" if rate is None else f"{rate * 100:.1f} % of prompt tokens hit{hits}")
-    lat = frame.get("latency") or {}
-    for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
-        if h := lat.get(key):
-            t.add_row(
-                label, f"p50 {_ms(h['p50'])} · p95 {_ms(h['p95'])} · p99 {_ms(h['p99'])} ms  ({h['count']} samples)"
-            )
+    _latency_rows(t, frame.get("latency") or {})
     thr = frame.get("throughput") or {}
     if thr:
         t.add_row(

@@ -9,7 +9,6 @@ map scrolls); the selected sequence's blocks are drawn in reverse video.
 
 from __future__ import annotations
 
-from collections import Counter
 from itertools import groupby
 
 from rich.text import Text
@@ -17,11 +16,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
+from kvtop.blocks import summarise  # the fold kvctl status uses too: a range reads the same on both
 from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.view import LinesStatic, View
-
-PRIORITY = "suoc."  # tie-break for the dominant state: the busier state wins
-DENSITY = ((0.0, "."), (1 / 3, "░"), (2 / 3, "▒"), (0.999, "▓"), (1.0, "█"))
 
 
 def legend() -> Text:
@@ -29,16 +26,6 @@ def legend() -> Text:
     for ch, name in fmt.BLOCK_NAMES.items():
         parts.append(Text.assemble((ch, f"bold {fmt.BLOCK_STYLES[ch]}"), f" {name}"))
     return Text("  ").join(parts)
-
-
-def summarise(chars: str) -> tuple[str, str]:
-    """(dominant state, density glyph) of a range of block characters."""
-    counts = Counter(chars)
-    top = max(counts.values())
-    dominant = next(c for c in PRIORITY if counts.get(c) == top)
-    busy = 1 - counts.get(".", 0) / len(chars)
-    glyph = next(g for limit, g in DENSITY if busy <= limit + 1e-9)
-    return dominant, glyph
 
 
 def render_cells(chars: str, per_cell: int, width: int, highlight: set[int], offset: int = 0) -> list[Text]:
@@ -72,6 +59,7 @@ class BlockMap(VerticalScroll):
         super().__init__(**kwargs)
         self.view: View | None = None
         self.per_cell = 1
+        self._drawn_size = (0, 0)  # the content region the map was last drawn for
         self.border_title = "Block map"
 
     def compose(self) -> ComposeResult:
@@ -87,6 +75,7 @@ class BlockMap(VerticalScroll):
         height = self.scrollable_content_region.height
         if width <= 0:
             return
+        self._drawn_size = (width, height)
         kv = view.frame.get("kv", {})
         chars: str = kv.get("blocks", "")
         ndev = kv.get("num_blocks", len(chars))
@@ -122,5 +111,12 @@ class BlockMap(VerticalScroll):
         self.show(self.view)
 
     def on_resize(self) -> None:
-        if self.view is not None:
-            self.call_after_refresh(self.show, self.view)
+        self.call_after_refresh(self._redraw)
+
+    def _redraw(self) -> None:
+        """After a resize, the view the map has *then*: a view taken at the resize can be frames
+        old when this runs (a replay's first frame drawn over the `G` pressed meanwhile, its
+        selection lost); the same size as last drawn draws the same map, so nothing is done."""
+        region = self.scrollable_content_region
+        if self.view is not None and (region.width, region.height) != self._drawn_size:
+            self.show(self.view)

@@ -10,11 +10,12 @@ import time
 
 from rich.text import Span, Text
 
+# block map: DESIGN §6 characters and the style each is drawn in, one home for both maps
+from kvtop.blocks import NAMES as BLOCK_NAMES  # noqa: F401
+from kvtop.blocks import STYLES as BLOCK_STYLES  # noqa: F401
+
 SPARK = "▁▂▃▄▅▆▇█"
 NONE = "–"  # no data yet (never 0: a zero is a measurement)
-# block map: DESIGN §6 characters, and the style each is drawn in
-BLOCK_STYLES = {".": "bright_black", "c": "cyan", "u": "green", "s": "magenta", "o": "yellow"}
-BLOCK_NAMES = {".": "free", "c": "cached", "u": "used", "s": "shared", "o": "offloaded"}
 
 
 def mib(n: float | None) -> str:
@@ -43,6 +44,11 @@ def secs(v: float | None) -> str:
     if v < 60:
         return f"{v:.2f}s"
     return duration(v)
+
+
+def ms(v: float | None, digits: int = 0) -> str:
+    """Seconds as a number of milliseconds, for a column headed "ms": 42, 1250.5."""
+    return NONE if v is None else f"{v * 1000:.{digits}f}"
 
 
 def duration(v: float | None) -> str:
