@@ -82,16 +82,28 @@ def _compile(schema: dict, root: dict, seen: dict[int, _Node]) -> _Node:
     return node
 
 
+PARTIAL_REQUIRED = ("schema", "ts", "engine")  # what a partial frame (another engine's /metrics) must still carry
+
+
 def check_frame(frame: Any) -> str | None:
-    """None for a frame the dashboard can draw, else what is wrong with it, in a few words."""
+    """None for a frame the dashboard can draw, else what is wrong with it, in a few words.
+    A partial frame (`source.kind` "metrics": DESIGN §6) may leave out what its engine cannot
+    know, and say null for it; what it does carry is checked like any other frame's."""
     if not isinstance(frame, dict):
         return f"a JSON {_kind(frame)}, not an object"
+    partial = isinstance(frame.get("source"), dict) and frame["source"].get("kind") == "metrics"
+    if partial:
+        missing = [k for k in PARTIAL_REQUIRED if k not in frame]
+        if missing:
+            return f"the frame: missing {', '.join(missing)}"
     # no recursion (a frame's depth is the file's choice, not ours); leaves are checked in place,
     # and a path is only spelt out for an error: 100,000 sequences must check in about a second
     stack: list[tuple[Any, _Node, str]] = [(frame, _root(), "")]
     while stack:
         value, node, where = stack.pop()
-        problem = _check_one(value, node)
+        if partial and value is None:
+            continue
+        problem = _check_one(value, node, partial)
         if problem:
             return f"{where or 'the frame'}: {problem}"
         if isinstance(value, dict):
@@ -102,7 +114,7 @@ def check_frame(frame: Any) -> str | None:
                     continue
                 if not sub.leaf:
                     stack.append((item, sub, f"{where}.{key}" if where else key))
-                elif (sub.ok is not None and not sub.ok(item)) or sub.strict:
+                elif ((sub.ok is not None and not sub.ok(item)) or sub.strict) and not (partial and item is None):
                     problem = _check_one(item, sub)
                     if problem:
                         return f"{where}.{key}: {problem}" if where else f"{key}: {problem}"
@@ -118,14 +130,14 @@ def check_frame(frame: Any) -> str | None:
     return None
 
 
-def _check_one(value: Any, node: _Node) -> str | None:
+def _check_one(value: Any, node: _Node, partial: bool = False) -> str | None:
     if node.ok is not None and not node.ok(value):
         return f"expected {' or '.join(node.types)}, found a JSON {_kind(value)}"
     if node.const and value != node.const[0]:
         return f"expected {node.const[0]!r}, found {_short(value)}"
     if node.enum is not None and value not in node.enum:
         return f"expected one of {', '.join(map(str, node.enum))}, found {_short(value)}"
-    if node.required and isinstance(value, dict):
+    if node.required and isinstance(value, dict) and not partial:
         missing = [k for k in node.required if k not in value]
         if missing:
             return f"missing {', '.join(missing)}"

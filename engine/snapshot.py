@@ -146,7 +146,7 @@ def block_rows(frame: dict, block_refs: list[int] | None = None) -> list[dict]:
     for seq in frame.get("sequences", []):
         for b in seq.get("block_ids", []):
             owners.setdefault(b, []).append(seq["id"])
-    chars = frame["kv"]["blocks"]
+    chars = frame["kv"].get("blocks") or ""  # a partial frame (another engine's /metrics) has no block map
     return [
         {
             "block_id": i,
@@ -213,7 +213,7 @@ def _fill(tmp: Path, *, model: str, config: dict, reason: str, frames: list[dict
         }
     )
     db["frames"].insert_all(
-        ({"ts": f["ts"], "step": f["engine"]["step"], "frame": json.dumps(f)} for f in frames),
+        ({"ts": f["ts"], "step": f["engine"].get("step"), "frame": json.dumps(f)} for f in frames),
         batch_size=200,
     )
     db["events"].insert_all(
@@ -229,10 +229,11 @@ def _fill(tmp: Path, *, model: str, config: dict, reason: str, frames: list[dict
         block_rows(last, block_refs),
         columns={"block_id": int, "state": str, "ref_count": int, "seq_ids": str},
     )
-    # insert_all of no rows creates no table: an idle engine still writes a readable file
+    # insert_all of no rows creates no table: an idle engine, or one with no block map, still writes a readable file
     for name, columns in (
         ("events", {"ts": float, "kind": str, "seq_id": str, "detail": str}),
         ("sequences", {"id": str, "state": str, "block_ids": str}),
+        ("blocks", {"block_id": int, "state": str, "ref_count": int, "seq_ids": str}),
     ):
         if not db[name].exists():
             db[name].create(columns)

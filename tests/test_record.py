@@ -1,0 +1,204 @@
+"""The client-side flight recorder: `kvctl record --url` and `record_frames` write any engine's frames as a
+`.kvsnap`, and replay plays them back as they were served — from our own `kvctl serve`'s /metrics and from
+an HTTP server serving pages recorded from a real vLLM 0.32.0."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.snapshot import SnapshotError, read_snapshot
+from kvtop.sources import ReplaySource
+from kvtop.sources.metrics import MetricsSource
+from kvtop.sources.recorder import record_frames, source_meta
+from tests.server_harness import KVCTL, kvctl, start_server
+
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+VLLM_PAGES = ["vllm_real_t0.prom", "vllm_real_t1.prom", "vllm_real_t2.prom"]  # idle, after 12 requests, 8 at once
+
+
+class Pages(http.server.BaseHTTPRequestHandler):
+    """/metrics answers the recorded vLLM pages in turn, then the last one again."""
+
+    served: ClassVar[list[str]] = []
+
+    def do_GET(self):
+        name = VLLM_PAGES[min(len(self.served), len(VLLM_PAGES) - 1)]
+        self.served.append(name)
+        body = (FIXTURES / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def vllm_pages():
+    handler = type("FreshPages", (Pages,), {"served": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler.served
+    server.shutdown()
+    server.server_close()
+
+
+def truth(text: str) -> dict[str, float]:
+    """What a page says, each name summed over its series (as the source adds them up)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_kvctl_record_from_a_vllm_page_replays_what_vllm_served(vllm_pages, tmp_path):
+    url, served = vllm_pages
+    out = tmp_path / "incident.kvsnap"
+    r = kvctl("record", "--url", url, "-o", str(out), "--duration", "1s", "--interval", "250ms", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and "frames over" in r.stderr
+    snap = read_snapshot(out)
+    assert snap.meta["model"] == "smollm2-135m" and snap.meta["reason"] == "kvctl record"
+    assert snap.meta["config"] == {"recorded_by": "kvtop", "source": "metrics", "engine": "vllm",
+                                   "url": f"{url}/metrics", "interval_s": 0.25}  # fmt: skip
+    assert len(snap.frames) == len(served) == 5  # one now, then one every 250 ms for a second
+    assert snap.blocks == [] and snap.sequences == [] and snap.events == []  # vLLM serves none of them
+    for frame, page in zip(snap.frames, served, strict=True):
+        t = truth((FIXTURES / page).read_text())
+        assert frame["engine"]["kind"] == "vllm"
+        assert frame["kv"]["usage"] == pytest.approx(t["vllm:kv_cache_usage_perc"])
+        assert frame["scheduler"]["running"] == t["vllm:num_requests_running"]
+        assert frame["prefix"]["hit_tokens"] == t["vllm:prefix_cache_hits_total"]
+        assert frame["latency"]["ttft"]["count"] == t["vllm:time_to_first_token_seconds_count"]
+        assert "blocks" not in frame["kv"] and "vLLM exposes no block map" in frame["unavailable"]
+
+    source = ReplaySource.open(out)  # every frame passes replay's check, absent fields and all
+    try:
+        for i in range(len(snap.frames)):
+            assert source.step(1 if i else 0)["ts"] == snap.frames[i]["ts"] and source.error is None
+        assert source.current["scheduler"]["running"] == 8  # the last page: 8 requests at once
+    finally:
+        source.close()
+
+
+def test_a_partial_frame_with_a_wrong_type_is_still_refused_by_replay(vllm_pages, tmp_path):
+    url, _ = vllm_pages
+    source = MetricsSource(url)
+    try:
+        frames = [source.poll(), source.poll()]
+    finally:
+        source.close()
+    frames[1] = {**frames[1], "kv": {**frames[1]["kv"], "usage": "full"}}
+    path = record_frames(frames, tmp_path / "bad.kvsnap", source_meta(source))
+    with pytest.raises(SnapshotError, match="frame 2 is not a stats frame: kv.usage: expected number, found a JSON"):
+        ReplaySource.open(path)  # checked when opened: one line, not a traceback in a panel
+
+
+def test_record_frames_writes_what_the_dashboard_holds(vllm_pages, tmp_path):
+    """The dashboard's `s` on a metrics source: the frames it already has, into a snapshot."""
+    url, _ = vllm_pages
+    source = MetricsSource(f"http://user:secret@{url.removeprefix('http://')}", interval=0.1)
+    try:
+        for _ in range(3):
+            source.poll()
+        frames = source.history()
+        meta = source_meta(source, reason="s in kvtop")
+        path = record_frames(frames, tmp_path, meta)  # a directory: a fresh name in it
+        again = record_frames(frames, tmp_path, meta)
+    finally:
+        source.close()
+    assert path.parent == tmp_path and path.name.startswith("kvtop-vllm-") and again != path
+    snap = read_snapshot(path)
+    assert snap.frames == json.loads(json.dumps(frames))  # as they were in memory
+    assert snap.meta["reason"] == "s in kvtop" and "secret" not in snap.meta["config"]["url"]
+    assert snap.meta["config"]["url"] == f"{url}/metrics"
+
+
+def test_record_refuses_to_replace_a_file_before_recording_and_replaces_with_force(vllm_pages, tmp_path):
+    url, served = vllm_pages
+    out = tmp_path / "x.kvsnap"
+    out.write_text("precious")
+    r = kvctl("record", "--url", url, "-o", str(out), "--duration", "1h", timeout=30)  # refused at once
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--force" in r.stderr
+    assert out.read_text() == "precious" and served == []  # not even one scrape
+    r = kvctl("record", "--url", url, "-o", str(tmp_path / "no" / "dir.kvsnap"), timeout=30)
+    assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = kvctl("record", "--url", url, "-o", str(out), "--duration", "0.2s", "--force", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert read_snapshot(out).frames[0]["engine"]["kind"] == "vllm"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--url", "http://127.0.0.1:1"], "cannot read http://127.0.0.1:1/metrics"),
+        (["--url", "ftp://x"], "is not an http(s) URL"),
+        (["--url", "http://127.0.0.1:1", "--duration", "soon"], "is not a time"),
+        (["--url", "http://127.0.0.1:1", "--interval", "0"], "more than 0"),
+        (["--url", "http://127.0.0.1:1", "--engine", "tgi"], "unknown engine 'tgi'"),
+    ],
+)
+def test_record_errors_are_one_line(args, message, tmp_path):
+    r = kvctl("record", *args, "-o", str(tmp_path / "x.kvsnap"), timeout=30)
+    assert r.returncode in (1, 2) and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "x.kvsnap").exists()
+
+
+def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path):
+    url, served = vllm_pages
+    out = tmp_path / "stopped.kvsnap"
+    proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "0", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(served) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "until Ctrl-C" in stderr and "stopped: " in stderr and stdout.strip() == str(out)
+    assert len(read_snapshot(out).frames) >= 4
+
+
+def test_kvctl_record_from_our_own_server_agrees_with_its_stats(tiny_dir, tmp_path):
+    server = start_server(tiny_dir, "--kv-cache-memory", "1MiB", "--max-num-seqs", "4")
+    try:
+        client = server.openai()
+        for i in range(3):
+            client.completions.create(model=server.model, prompt=f"Hello {i}", max_tokens=4)
+        server.wait_idle()
+        out = tmp_path / "ours.kvsnap"
+        r = kvctl("record", "--url", server.url, "-o", str(out), "--duration", "1s", "--interval", "0.5s", timeout=60)
+        assert r.returncode == 0, r.stderr
+        stats = server.stats()
+        page = truth(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.cleanup()
+    snap = read_snapshot(out)
+    assert snap.meta["config"]["engine"] == "kvtop" and len(snap.frames) == 3
+    last = snap.frames[-1]
+    assert last["engine"]["kind"] == "kvtop" and last["engine"]["model"] == server.model
+    assert (last["kv"]["block_size"], last["kv"]["num_blocks"]) == (
+        stats["kv"]["block_size"],
+        stats["kv"]["num_blocks"],
+    )
+    assert last["kv"]["free"] + last["kv"]["cached"] == stats["kv"]["allocatable"]  # idle: every block allocatable
+    assert last["latency"]["ttft"]["count"] == stats["latency"]["ttft"]["count"] == 3
+    assert last["prefix"]["query_tokens"] == page["kvtop_prefix_cache_queries_total"]
+    assert last["scheduler"]["running"] == 0 and last["kv"]["usage"] == 0
