@@ -25,7 +25,10 @@ class _Commands(TyperGroup):
     """kvctl's command group, with commands whose modules import torch loaded only when used
     (run, or listed by --help), so that `kvctl status`, `drain` or a completion stay instant."""
 
-    LAZY: ClassVar[dict[str, tuple[str, str]]] = {"plan": ("kvtop.ctl.plan_cmd", "plan_command")}
+    LAZY: ClassVar[dict[str, tuple[str, str]]] = {
+        "plan": ("kvtop.ctl.plan_cmd", "plan_command"),
+        "record": ("kvtop.ctl.record", "record_command"),  # issue #15: any engine's /metrics into a .kvsnap
+    }
 
     def list_commands(self, ctx) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
