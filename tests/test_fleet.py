@@ -82,10 +82,10 @@ def test_a_fleet_round_is_bounded_and_marks_the_bad_targets(base):
             assert len(rows) == 24
             assert all(by_url[u].state == "ok" for u in good), [(r.url, r.error) for r in rows if r.state != "ok"]
             hang = by_url[f"{base}/hang"]  # its read timeout, or the round's deadline on a loaded machine
-            assert hang.state in ("unreachable", "timeout") and ("Timeout" in hang.error or "no answer" in hang.error)
-            assert by_url[f"{base}/drip"].state == "timeout"
+            assert hang.state == "slow" and "no answer in 1.5 s" in hang.error
+            assert by_url[f"{base}/drip"].state == "slow"
             garbage = by_url[f"{base}/garbage"]
-            assert garbage.state == "unreachable" and "not Prometheus text" in garbage.error
+            assert garbage.state == "not metrics" and "not Prometheus text" in garbage.error
         vllm = by_url[f"{base}/vllm/0/metrics"]
         assert (vllm.kind, vllm.model, vllm.running) == ("vllm", "smollm2-135m", 8)
         assert vllm.kv_usage == pytest.approx(0.024793388429752095)
@@ -116,7 +116,7 @@ def test_kvctl_status_with_several_urls_prints_one_line_per_engine(base):
     rows = {row["url"]: row for row in json.loads(r.stdout)}
     assert [rows[u]["kind"] for u in urls[:3]] == ["vllm", "sglang", "llamacpp"]
     assert rows[urls[0]]["running"] == 8 and rows[urls[1]]["waiting"] == 2826
-    assert rows[urls[3]]["state"] == "unreachable"
+    assert rows[urls[3]]["state"] == "not metrics"
     r = kvctl("status", *[a for u in urls for a in ("--url", u)], timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "4 engines" in r.stdout and "not Prometheus text" in r.stdout

@@ -1,6 +1,8 @@
-"""kvtop: the KV-cache dashboard, live over the engine's control socket or replaying a snapshot.
+"""kvtop: the KV-cache dashboard, live over the engine's control socket, over any engine's
+`/metrics`, replaying a snapshot, or over a fleet of engines (the fleet screen, Enter drills in).
 
-The app owns the data source, the view state and the keys. Frames are fetched by a thread
+The app owns the data source, the view state and the keys; it asks the source what it can do
+(`controls`, `can_seek`), never its type. Frames are fetched by a thread
 worker that a timer re-arms after each poll (so polls never overlap and the UI never waits);
 panels draw from a `View` handed to them. Actions (drain, resume, evict, snapshot) ask for a
 confirmation that says what will happen, then go through the EngineClient in a worker thread.
@@ -11,13 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import ClassVar, cast
 
-import typer
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -26,10 +25,13 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input
 
+from kvtop.dashboard import absent
 from kvtop.dashboard.actions import OperatorActions, SequenceActions
+from kvtop.dashboard.fleet_screen import FleetPoller, FleetScreen
 from kvtop.dashboard.keys import (
     DASHBOARD_ACTIONS,
     FILTER_KEYS,
+    FLEET_KEYS,
     LIVE_ACTIONS,
     LIVE_KEYS,
     REPLAY_ACTIONS,
@@ -47,18 +49,33 @@ from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import SequencesTable
 from kvtop.dashboard.widgets.timeline import Timeline
 from kvtop.dashboard.widgets.view import View, ViewState
-from kvtop.sources import FrameSource, LiveSource, ReplaySource, SourceUnavailable
+from kvtop.sources import FrameSource, ReplaySource, SourceUnavailable
+from kvtop.sources.metrics import MetricsSource
 
 
 class KvtopApp(OperatorActions, SequenceActions, App[int]):
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"
     ENABLE_COMMAND_PALETTE = False  # every command is a key; the footer needs the room
-    BINDINGS: ClassVar[list[BindingType]] = [*VIEW_KEYS, *FILTER_KEYS, *LIVE_KEYS, *REPLAY_KEYS]
+    BINDINGS: ClassVar[list[BindingType]] = [*VIEW_KEYS, *FILTER_KEYS, *LIVE_KEYS, *REPLAY_KEYS, *FLEET_KEYS]
 
-    def __init__(self, source: FrameSource, readonly: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        source: FrameSource | None = None,
+        readonly: bool = False,
+        fleet: FleetPoller | None = None,
+        interval: float = 1.0,
+        engine: str | None = None,
+        **kwargs,
+    ) -> None:
+        """One `source`, or a `fleet` (the fleet screen first; Enter opens a MetricsSource on a row's
+        URL, every `interval` seconds, of engine kind `engine` or detected)."""
         super().__init__(**kwargs)
-        self.source = source
+        if source is None and fleet is None:
+            raise ValueError("a source or a fleet")
+        self.source: FrameSource | None = source
+        self.fleet = fleet
+        self.interval, self.engine = interval, engine
         self.readonly = readonly
         self.state = ViewState()
         self.paused = False
@@ -67,7 +84,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @property
     def replay(self) -> ReplaySource | None:
-        return self.source if isinstance(self.source, ReplaySource) else None
+        return cast(ReplaySource, self.source) if self.source is not None and self.source.can_seek else None
 
     @property
     def base(self) -> Screen:
@@ -76,7 +93,12 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @property
     def can_act(self) -> bool:
-        return self.source.supports_actions and not self.readonly
+        return self.source is not None and self.source.controls and not self.readonly
+
+    @property
+    def in_fleet(self) -> bool:
+        """The fleet screen is shown (the dashboard under it neither polls nor takes keys)."""
+        return bool(self.screen_stack) and isinstance(self.screen_stack[-1], FleetScreen)
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
@@ -91,25 +113,51 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         except (NotImplementedError, RuntimeError, ValueError):
             pass
         if self.replay:
-            self.source.poll()
+            self.replay.poll()
         self.redraw()
         self._focus_sequences()
-        self._schedule(0)
+        if self.fleet is not None:
+            self.install_screen(FleetScreen(self.fleet), name="fleet")  # kept: its sort and rows survive
+            self.push_screen("fleet")
+        else:
+            self._schedule(0)
 
     def on_unmount(self) -> None:
-        self.source.close()
+        if self.source is not None:
+            self.source.close()
+        if self.fleet is not None:
+            self.fleet.close()
 
     def _hang_up(self) -> None:
         """The terminal went away (a dropped SSH session): there is nothing left to draw on or to
         restore, and Textual's shutdown would wait forever on its writer to the dead terminal."""
-        self.source.close()
+        self.on_unmount()
         os._exit(0)
+
+    # ---- the fleet: drill into one engine, and back ----------------------------------------
+    def drill(self, url: str) -> None:
+        """Enter on the fleet screen: the dashboard, on a fresh MetricsSource for `url`."""
+        if self.source is not None:
+            self.source.close()
+        self.source = MetricsSource(url, interval=self.interval, engine=self.engine)
+        self.state, self.poll_error = ViewState(), None
+        self.pop_screen()
+        self.redraw()
+        self._schedule(0)
+
+    def action_fleet(self) -> None:
+        """Escape on a dashboard opened from the fleet: back to the fleet (it polls again at once)."""
+        if self._timer is not None:
+            self._timer.stop()
+        self.push_screen("fleet")
 
     # ---- polling ---------------------------------------------------------------------------
     def _schedule(self, delay: float) -> None:
         self._timer = self.set_timer(max(delay, 0.01), self._tick, name="poll")
 
     def _tick(self) -> None:
+        if self.source is None or self.in_fleet:
+            return  # the fleet screen is shown: drilling in starts polling again
         if self.paused and not self.replay:
             self._schedule(0.25)
         else:
@@ -117,12 +165,15 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @work(thread=True, exclusive=True, group="poll", exit_on_error=False)
     def _poll(self) -> None:
+        src = self.source
+        if src is None:
+            return
         try:
-            frame = self.source.poll()
+            frame = src.poll()
+            if src is not self.source:  # the fleet drilled into another engine meanwhile
+                return
         except SourceUnavailable as exc:
-            src = self.source
-            since = src.disconnected_since if isinstance(src, LiveSource) else time.time()
-            self.post_message(SourceLost(str(exc), since or time.time(), src.next_delay()))
+            self.post_message(SourceLost(str(exc), src.disconnected_since or time.time(), src.next_delay()))
             return
         except Exception as exc:  # a bad frame must not kill polling: show it, try again
             self.post_message(SourceLost(f"{type(exc).__name__}: {exc}", time.time(), 1.0))
@@ -167,23 +218,28 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     # ---- drawing ---------------------------------------------------------------------------
     def view(self) -> View | None:
-        frame = self.source.current
+        frame = self.source.current if self.source is not None else None
         if frame is None:
             return None
         return View(frame, self.source.history(), self.source.events(), self.state)
 
     def status(self) -> Text:
         src = self.source
-        if isinstance(src, ReplaySource):
-            meta = src.snapshot.meta
+        if src is None:
+            return Text("… pick an engine on the fleet screen", "italic")
+        if (replay := self.replay) is not None:
+            meta = replay.snapshot.meta
             return Text.assemble(
                 ("◆ replay ", "bold cyan"),
-                str(src.snapshot.path),
+                str(replay.snapshot.path),
                 f" · recorded {time.strftime('%Y-%m-%d %H:%M', time.localtime(meta.get('created') or 0))}",
-                f" · frame {src.index + 1}/{len(src.frames)}",
+                f" · frame {replay.index + 1}/{len(replay.frames)}",
             )
-        assert isinstance(src, LiveSource)
-        ro = " · readonly" if self.readonly else ""
+        ro = " · readonly" if self.readonly and src.controls else ""
+        if src.kind == "metrics" and src.current is not None:
+            ro += f" · {absent.engine_label(src.current)} via /metrics, no controls"
+        if self.fleet is not None:
+            ro += " · esc: back to the fleet"
         if src.disconnected_since is not None:
             ago = fmt.duration(time.time() - src.disconnected_since)
             return Text.assemble(
@@ -212,7 +268,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         if view is None:
             return
         for panel in self.base.query(".panel"):
-            panel.show(view)  # type: ignore[attr-defined]
+            absent.draw(panel, view)
         if isinstance(self.screen, SequenceScreen):
             self.screen.show(view)
 
@@ -220,7 +276,7 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         view = self.view()
         if view is not None and self.screen_stack:
             for w in self.base.query(kind):
-                w.show(view)
+                absent.draw(w, view)
 
     # ---- keys: which exist in this mode ----------------------------------------------------
     @property
@@ -235,6 +291,10 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
             return True
         if action == "filter_done":
             return self.filtering
+        if action == "fleet":  # escape: back to the fleet, unless a dialog or the filter has it
+            return self.fleet is not None and not self.in_fleet and not self.typing and not self.filtering
+        if action in DASHBOARD_ACTIONS and self.in_fleet:
+            return False  # the fleet screen's own keys answer there
         if action in LIVE_ACTIONS and not self.can_act:
             return False
         if action in REPLAY_ACTIONS and self.replay is None:
@@ -254,7 +314,11 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
             groups.append(("Actions (each asks first)", LIVE_KEYS))
         if self.replay:
             groups.append(("Replay", REPLAY_KEYS))
-        mode = "replay" if self.replay else "live, read-only" if self.readonly else "live"
+        if self.fleet is not None:
+            groups.append(("Fleet", FLEET_KEYS))
+        kind = self.source.kind if self.source is not None else "fleet"
+        mode = {"replay": "replay", "metrics": "live over /metrics, no controls"}.get(kind, "live")
+        mode += ", read-only" if self.readonly and self.source is not None and self.source.controls else ""
         self.push_screen(HelpScreen(groups, mode))
 
     def action_pause(self) -> None:
@@ -284,9 +348,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
 
     @on(SequenceSelected)
     def _selected(self, message: SequenceSelected) -> None:
-        if message.seq_id != self.state.selected_seq:
-            self.state.selected_seq = message.seq_id
-            self._redraw_one(BlockMap)
+        """The sequences table moved its cursor (it set `state.selected_seq` as it did): the map follows."""
+        self._redraw_one(BlockMap)
 
     # ---- replay ----------------------------------------------------------------------------
     def _moved(self, move: Callable[[ReplaySource], object]) -> None:
@@ -321,70 +384,10 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         self.push_screen(JumpScreen(replay.end_ts - replay.start_ts), done)
 
 
-# ---- the command line -----------------------------------------------------------------------
-cli = typer.Typer(
-    name="kvtop",
-    help="The KV-cache dashboard: watch a running engine live, or replay a snapshot.",
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+# the command line lives in kvtop.dashboard.cli; `kvtop.dashboard.app:main` stays the entry point
+from kvtop.dashboard.cli import cli, main  # noqa: E402
 
-
-@cli.command()
-def run(
-    socket: Annotated[
-        str | None,
-        typer.Option(
-            "--socket", help="Control socket (default: $KVTOP_SOCKET, else $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock)."
-        ),
-    ] = None,
-    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between polls.")] = 1.0,
-    readonly: Annotated[
-        bool, typer.Option("--readonly", help="No actions: drain, resume, evict and snapshot are removed.")
-    ] = False,
-    replay: Annotated[
-        Path | None, typer.Option("--replay", help="Replay a .kvsnap snapshot instead of watching an engine.")
-    ] = None,
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)] = False,
-) -> None:
-    """kvtop [--socket PATH] [--interval S] [--readonly] | kvtop --replay FILE"""
-    if version:
-        from kvtop import __version__
-
-        print(f"kvtop {__version__}")
-        raise typer.Exit()
-    if replay is not None:
-        from engine.snapshot import SnapshotError
-
-        try:
-            source: FrameSource = ReplaySource.open(replay)  # frames are read as they are shown
-        except SnapshotError as exc:
-            print(f"kvtop: {exc}", file=sys.stderr)
-            raise typer.Exit(1) from None
-    else:
-        source = LiveSource(socket, interval)
-    code = KvtopApp(source, readonly=readonly).run()
-    raise typer.Exit(code or 0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point (`kvtop`, and `kvctl replay FILE` → main(["--replay", FILE]))."""
-    try:
-        code = cli(args=argv, prog_name="kvtop", standalone_mode=False)
-        if isinstance(code, int) and code:
-            sys.exit(code)
-    except typer.TyperException as exc:  # usage errors: one line, not typer's boxed panel
-        if exc.format_message():
-            print(f"kvtop: {exc.format_message()} (see kvtop --help)", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except OSError as exc:  # the terminal went away mid-write
-        print(f"kvtop: {exc}", file=sys.stderr)
-        sys.exit(1)
-
+__all__ = ["KvtopApp", "cli", "main"]
 
 if __name__ == "__main__":
     main()

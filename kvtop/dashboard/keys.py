@@ -1,8 +1,10 @@
 """kvtop's keys, by mode: what the footer, the help screen and `check_action` all read.
 
-View keys work everywhere; the live actions exist only against an engine and without
-`--readonly`; the replay keys only in replay (← and → are priority keys there, so that the
-sequences table does not take them, and give way to any dialog or text box).
+View keys work everywhere; the live actions exist only where the source has the engine's controls
+(our socket: not another engine's `/metrics`, not a replay) and without `--readonly`; the replay
+keys only in replay (← and → are priority keys there, so that the sequences table does not take
+them, and give way to any dialog or text box). Escape goes back to the fleet screen from a
+dashboard opened there.
 
 While a dialog or the filter box has the keyboard, no app key fires but ctrl+c and F10
 (`KvtopApp.check_action`; `q` is then a letter): keys typed after `/` are filter text, never actions. `/` is a
@@ -66,6 +68,8 @@ REPLAY_KEYS = [
     Binding("plus", "speed(1)", "Faster", show=False, tooltip="play faster (×0.25 … ×16)"),
     Binding("minus", "speed(-1)", "Slower", show=False, tooltip="play slower"),
 ]
+# a dashboard opened from the fleet screen (Enter on a row): escape goes back (after the filter's and dialogs' own)
+FLEET_KEYS = [Binding("escape", "fleet", "Fleet", priority=True, tooltip="back to the fleet of engines")]
 LIVE_ACTIONS = {b.action for b in LIVE_KEYS}
 REPLAY_ACTIONS = {b.action.split("(")[0] for b in REPLAY_KEYS}
 # the dashboard's own actions (not Textual's, such as tab's focus_next, which dialogs need)

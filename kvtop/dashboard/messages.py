@@ -70,3 +70,11 @@ class LayoutRebuilt(Message):
     """The dashboard changed layout (wide, tabs, small) after a resize: redraw into the new panels."""
 
     mode: str
+
+
+@dataclass
+class FleetPolled(Message):
+    """A round of the fleet came back: one row per engine (kvtop.fleet.Row)."""
+
+    rows: list
+    at: float

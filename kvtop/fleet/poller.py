@@ -22,7 +22,7 @@ class Row:
     """One engine's line in the fleet table; None where the engine does not say."""
 
     url: str
-    state: str  # "ok", "unreachable", "timeout"
+    state: str  # "ok", "unreachable" (refused, dropped), "not metrics" (no engine's page), "slow" (no answer in time)
     error: str | None = None
     kind: str | None = None
     model: str | None = None
@@ -57,10 +57,11 @@ def row_of(url: str, frame: dict, before: dict | None) -> Row:
 
 
 class Fleet:
-    def __init__(self, urls: list[str], timeout: float = 3.0, engine: str | None = None) -> None:
+    def __init__(self, urls: list[str], timeout: float = 3.0, engine: str | None = None, interval: float = 2.0) -> None:
         if not urls:
             raise ValueError("no targets")
-        self.timeout = timeout
+        self.timeout, self.interval = timeout, interval
+        self.title = f"{len(urls)} targets, each /metrics scraped by kvtop"
         self.sources = [MetricsSource(u, timeout=timeout, engine=engine) for u in urls]  # ValueError: a bad URL
         self._pool = cf.ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(urls)), thread_name_prefix="fleet")
         self._pending: dict[int, cf.Future] = {}  # a scrape still running from an earlier round
@@ -72,7 +73,7 @@ class Fleet:
         try:
             frame = source.poll()
         except SourceUnavailable as exc:
-            return Row(source.url, "unreachable", str(exc))
+            return Row(source.url, source.failure or "unreachable", str(exc))
         return row_of(source.url, frame, before)
 
     def poll(self) -> list[Row]:
@@ -87,7 +88,7 @@ class Fleet:
                 self.rows[i] = future.result()
                 del self._pending[i]
             else:
-                self.rows[i] = Row(self.sources[i].url, "timeout", f"no answer in {self.timeout:g} s")
+                self.rows[i] = Row(self.sources[i].url, "slow", f"no answer in {self.timeout:g} s")
         return list(self.rows)
 
     def close(self) -> None:

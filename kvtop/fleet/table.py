@@ -8,15 +8,15 @@ from rich.text import Text
 from kvtop.fleet.poller import Row
 
 
-def _pct(v: float | None) -> str:
+def pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.1f} %"
 
 
-def _ms(v: float | None) -> str:
+def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
-def _n(v) -> str:
+def n(v) -> str:
     return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
 
@@ -28,7 +28,7 @@ def fleet_table(rows: list[Row]) -> Table:
     for r in rows:
         state = Text("ok", "green") if r.state == "ok" else Text(f"{r.state}: {r.error or ''}"[:60], "red")
         t.add_row(
-            Text(r.url), r.kind or "-", Text(r.model or "-"), _pct(r.kv_usage), _n(r.running), _n(r.waiting),
-            _n(r.preemptions_per_s), _pct(r.prefix_hit_rate), _ms(r.ttft_p99), _ms(r.itl_p99), state,
+            Text(r.url), r.kind or "-", Text(r.model or "-"), pct(r.kv_usage), n(r.running), n(r.waiting),
+            n(r.preemptions_per_s), pct(r.prefix_hit_rate), ms(r.ttft_p99), ms(r.itl_p99), state,
         )  # fmt: skip
     return t

@@ -27,12 +27,24 @@ class SourceUnavailable(Exception):
 
 
 class FrameSource(ABC):
-    """The dashboard's view of a run of stats frames."""
+    """The dashboard's view of a run of stats frames, and what it can do besides (its capabilities:
+    the app asks these, never the source's type)."""
 
-    supports_actions = False
+    kind = ""  # where frames come from: "socket", "metrics" or "replay" (the frame's source.kind)
+    controls = False  # the engine takes drain, resume, evict and snapshot through this source
+    can_seek = False  # frames can be stepped, skipped and jumped to (a recording)
+    path: object = ""  # what the header names: a socket path, a URL, a file
+    interval = 1.0
 
     def __init__(self) -> None:
         self.current: dict | None = None
+        self.disconnected_since: float | None = None  # a live source that lost its engine: since when
+        self.last_error: str | None = None
+
+    @property
+    def unavailable(self) -> list[str]:
+        """What the panels cannot show from this source, one line each ("vLLM exposes no block map")."""
+        return list((self.current or {}).get("unavailable") or [])
 
     @abstractmethod
     def poll(self) -> dict | None:

@@ -25,7 +25,8 @@ from kvtop.sources.base import (
 class LiveSource(FrameSource):
     """Frames polled from an engine's control socket, reconnecting with backoff when it goes."""
 
-    supports_actions = True
+    kind = "socket"
+    controls = True
 
     def __init__(
         self,

@@ -24,6 +24,18 @@ RATE_S = 10.0  # throughput over the last seconds
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 
 
+class Unreachable(NotMetrics):
+    """No answer: the connection was refused or dropped."""
+
+    state = "unreachable"
+
+
+class Slow(NotMetrics):
+    """The engine took longer than the timeout to answer."""
+
+    state = "slow"
+
+
 def metrics_url(url: str) -> str:
     """`http://host:8000` means its `/metrics`; a URL with a path is used as given."""
     u = httpx.URL(url if "://" in url else f"http://{url}")
@@ -123,6 +135,8 @@ def _kvtop_extras(scrape: Scrape, frame: dict) -> None:
 class MetricsSource(FrameSource):
     """Frames scraped from an engine's `/metrics`, every `interval` seconds."""
 
+    kind = "metrics"  # no controls: no engine but ours has one kvtop can call, and ours is reached by socket
+
     def __init__(
         self,
         url: str,
@@ -140,19 +154,20 @@ class MetricsSource(FrameSource):
         self._clock = clock
         self._scrapes: deque[Scrape] = deque()
         self._frames: deque[dict] = deque()
-        self.disconnected_since: float | None = None
-        self.last_error: str | None = None
+        self.failure: str | None = None  # the last poll's: "unreachable", "not metrics" or "slow"
         self._client = httpx.Client(timeout=timeout, follow_redirects=False)
         self._lock = threading.Lock()
 
     def scrape(self) -> Scrape:
         try:
             r = self._client.get(self.url)
-            if r.status_code != 200:
-                raise NotMetrics(f"it answered HTTP {r.status_code}")
-            return parse(r.text, self._clock())
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
+            raise Slow(f"{type(exc).__name__}: no answer in {self.timeout:g} s") from exc
         except httpx.HTTPError as exc:
-            raise NotMetrics(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+            raise Unreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        if r.status_code != 200:
+            raise NotMetrics(f"it answered HTTP {r.status_code}")
+        return parse(r.text, self._clock())
 
     def poll(self) -> dict | None:
         try:
@@ -163,9 +178,9 @@ class MetricsSource(FrameSource):
         except NotMetrics as exc:
             if self.disconnected_since is None:
                 self.disconnected_since = self._clock()
-            self.last_error = str(exc)
+            self.last_error, self.failure = str(exc), exc.state
             raise SourceUnavailable(self.last_error) from None
-        self.disconnected_since, self.last_error = None, None
+        self.disconnected_since, self.last_error, self.failure = None, None, None
         with self._lock:
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
             self._scrapes.append(scrape)

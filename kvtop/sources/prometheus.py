@@ -13,6 +13,8 @@ MAX_BYTES = 8 * 1024**2  # a /metrics page bigger than this is not one we can us
 class NotMetrics(ValueError):
     """The text is not Prometheus exposition (an HTML page, garbage, a truncated body)."""
 
+    state = "not metrics"  # how a fleet's row names the failure
+
 
 @dataclass
 class Scrape:

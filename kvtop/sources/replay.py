@@ -36,6 +36,9 @@ class ReplaySource(FrameSource):
     `SnapshotReader` that reads frames on demand (`ReplaySource.open`). A frame that is not a
     stats frame leaves the last good one on screen and says so in `error`."""
 
+    kind = "replay"
+    can_seek = True
+
     def __init__(self, snapshot: Snapshot | SnapshotReader, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.snapshot = snapshot

@@ -36,18 +36,21 @@ class SortScreen(ModalScreen[str | None]):
         Binding("k", "move(-1)", "Up", show=False),
     ]
 
-    def __init__(self, current: str, reverse: bool) -> None:
+    def __init__(
+        self, current: str, reverse: bool, choices: dict[str, str] = SORT_HELP, what: str = "sequences"
+    ) -> None:
         super().__init__(classes="dialog-screen")
         self.current, self.reverse = current, reverse
+        self.choices, self.what = choices, what  # the fleet screen sorts its engines with it too
 
     def compose(self) -> ComposeResult:
         arrow = "↓" if self.reverse else "↑"
         options = [
-            Option(f"{SORT_HELP[key]}{f'  (now, {arrow}: again reverses)' if key == self.current else ''}", id=key)
-            for key in SORT_HELP
+            Option(f"{self.choices[key]}{f'  (now, {arrow}: again reverses)' if key == self.current else ''}", id=key)
+            for key in self.choices
         ]
         with Vertical(classes="dialog sort-picker") as box:
-            box.border_title = "Sort sequences by"
+            box.border_title = f"Sort {self.what} by"
             box.border_subtitle = "enter picks · esc cancels"
             yield OptionList(*options, id="sort-options")
 

@@ -1,0 +1,199 @@
+"""The fleet screen: one line per engine — KV usage bar, running/waiting, preemptions/s, prefix hit
+rate, TTFT/ITL P99 over the last minute, state — sortable, Enter opens that engine's dashboard.
+
+Rounds come from a `FleetPoller` (`kvtop.fleet.Fleet`: each target's /metrics; or
+`PrometheusFleet`: what a Prometheus server scrapes) in a thread worker that a timer re-arms after
+each round, so rounds never overlap and the keys never wait on a slow engine. The screen stops
+polling while the dashboard is on top and polls again at once when it comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.widgets import DataTable, Footer, Static
+
+from kvtop.dashboard.messages import FleetPolled
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.help import HelpScreen
+from kvtop.dashboard.widgets.sort_picker import SortScreen
+from kvtop.fleet.poller import Row
+from kvtop.fleet.table import ms, n, pct
+
+BAR = 10  # cells of the KV usage bar
+STATE_STYLES = {"ok": "green", "slow": "yellow"}  # unreachable and not metrics: red
+
+
+class FleetPoller(Protocol):
+    title: str  # where the fleet comes from, for the screen's first line
+    interval: float  # seconds between rounds
+
+    def poll(self) -> list[Row]: ...  # blocking, bounded in time
+
+    def close(self) -> None: ...
+
+
+def _kv(r: Row) -> Text:
+    if r.kv_usage is None:
+        return Text(f"{'':{BAR}} {'-':>6}")
+    return Text.assemble(fmt.gauge(r.kv_usage, BAR), f" {pct(r.kv_usage):>6}")
+
+
+def _state(r: Row) -> Text:
+    if r.state == "ok":
+        return Text("ok", "green")
+    return Text(f"{r.state}: {r.error or ''}"[:60], STATE_STYLES.get(r.state, "red"))
+
+
+# key: (header, sort key, cell, what sorting by it answers)
+COLUMNS: dict[str, tuple[str, Callable[[Row], object], Callable[[Row], object], str]] = {
+    "engine": ("engine", lambda r: r.url, lambda r: Text(r.url), "the engine's URL"),
+    "kind": ("kind", lambda r: r.kind, lambda r: r.kind or "-", "kind (vllm, sglang, llamacpp, kvtop)"),
+    "kv": ("KV", lambda r: r.kv_usage, _kv, "KV cache usage"),
+    "running": ("run", lambda r: r.running, lambda r: n(r.running), "requests running"),
+    "waiting": ("wait", lambda r: r.waiting, lambda r: n(r.waiting), "requests waiting"),
+    "preempt": ("preempt/s", lambda r: r.preemptions_per_s, lambda r: n(r.preemptions_per_s), "preemptions/s"),
+    "hit": ("prefix hit", lambda r: r.prefix_hit_rate, lambda r: pct(r.prefix_hit_rate), "prefix-cache hit rate"),
+    "ttft": ("TTFT p99 ms", lambda r: r.ttft_p99, lambda r: ms(r.ttft_p99), "TTFT P99 over the last minute"),
+    "itl": ("ITL p99 ms", lambda r: r.itl_p99, lambda r: ms(r.itl_p99), "ITL P99 over the last minute"),
+    "state": ("state", lambda r: (r.state == "ok", r.state), _state, "state (bad ones first)"),
+}
+TEXT_COLUMNS = ("engine", "kind", "state")
+
+
+def ordered(rows: list[Row], column: str, reverse: bool) -> list[Row]:
+    """Rows sorted by `column`; rows without a value there come last whichever the direction."""
+    key = COLUMNS[column][1]
+    known = [r for r in rows if key(r) is not None]
+    return sorted(known, key=key, reverse=reverse) + [r for r in rows if key(r) is None]
+
+
+class FleetScreen(Screen):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "quit_fleet", "Quit"),
+        Binding("question_mark", "help", "Help"),
+        Binding("enter", "open", "Open engine", tooltip="the engine under the cursor: its dashboard (esc comes back)"),
+        Binding("o", "sort_pick", "Sort", tooltip="sort engines: pick a column (the same one again reverses)"),
+        Binding("O", "sort_reverse", "Reverse", show=False, tooltip="reverse the sort order"),
+        Binding("j", "cursor(1)", "Down", show=False, tooltip="cursor down (↓ too)"),
+        Binding("k", "cursor(-1)", "Up", show=False, tooltip="cursor up (↑ too)"),
+    ]
+
+    def __init__(self, fleet: FleetPoller) -> None:
+        super().__init__(id="fleet")
+        self.fleet = fleet
+        self.rows: list[Row] = []
+        self.sort, self.reverse = "kv", True
+        self.polled_at: float | None = None
+        self._timer: Timer | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="fleet-header")
+        table = DataTable(cursor_type="row", zebra_stripes=True, id="fleet-table")
+        for key, (header, *_) in COLUMNS.items():
+            table.add_column(header, key=key)
+        yield table
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.draw()
+        self.query_one(DataTable).focus()
+
+    def on_screen_resume(self) -> None:
+        self._poll()
+
+    def on_screen_suspend(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+    @work(thread=True, exclusive=True, group="fleet", exit_on_error=False)
+    def _poll(self) -> None:
+        self.post_message(FleetPolled(self.fleet.poll(), time.time()))
+
+    @on(FleetPolled)
+    def _polled(self, message: FleetPolled) -> None:
+        self.rows, self.polled_at = message.rows, message.at
+        self.draw()
+        if self.is_current:  # hidden under the dashboard: polled again when it comes back
+            self._timer = self.set_timer(self.fleet.interval, self._poll, name="fleet-poll")
+
+    def draw(self) -> None:
+        table = self.query_one(DataTable)
+        at = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
+        table.clear()
+        for r in ordered(self.rows, self.sort, self.reverse):
+            cells = [cell(r) for _, _, cell, _ in COLUMNS.values()]
+            table.add_row(*[c if isinstance(c, Text) else Text(str(c), justify="right") for c in cells], key=r.url)
+        if at is not None and at in {r.url for r in self.rows}:
+            table.move_cursor(row=table.get_row_index(at), animate=False)
+        bad = sum(r.state != "ok" for r in self.rows)
+        when = f"round at {fmt.clock(self.polled_at)}, every {self.fleet.interval:g}s" if self.polled_at else "polling…"
+        arrow = "↓" if self.reverse else "↑"
+        self.query_one("#fleet-header", Static).update(
+            Text.assemble(
+                ("kvtop fleet ", "bold reverse"),
+                f" {self.fleet.title} · ",
+                (f"{len(self.rows)} engines", "bold"),
+                f", {len(self.rows) - bad} ok",
+                (f", {bad} not ok" if bad else "", "bold red"),
+                f" · {when} · sort {COLUMNS[self.sort][0]} {arrow} · enter opens one",
+            )
+        )
+
+    def selected(self) -> Row | None:
+        table = self.query_one(DataTable)
+        if not table.row_count:
+            return None
+        url = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        return next((r for r in self.rows if r.url == url), None)
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    @on(DataTable.HeaderSelected)
+    def _header(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        self.sort_by(str(event.column_key.value))
+
+    def action_open(self) -> None:
+        row = self.selected()
+        if row is not None:
+            self.app.drill(row.url)  # type: ignore[attr-defined]
+
+    def sort_by(self, column: str) -> None:
+        """By `column`; the same column again reverses. Numbers start high, text starts at A."""
+        if column == self.sort:
+            self.reverse = not self.reverse
+        else:
+            self.sort, self.reverse = column, column not in TEXT_COLUMNS
+        self.draw()
+
+    def action_sort_pick(self) -> None:
+        choices = {key: help_ for key, (_, _, _, help_) in COLUMNS.items()}
+        self.app.push_screen(
+            SortScreen(self.sort, self.reverse, choices, "engines"), lambda c: self.sort_by(c) if c else None
+        )
+
+    def action_sort_reverse(self) -> None:
+        self.sort_by(self.sort)
+
+    def action_cursor(self, step: int) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            table.move_cursor(row=min(max(table.cursor_row + step, 0), table.row_count - 1))
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen([("Fleet", list(self.BINDINGS))], "fleet"))  # type: ignore[arg-type]
+
+    def action_quit_fleet(self) -> None:
+        self.app.exit(0)
