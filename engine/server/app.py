@@ -158,6 +158,65 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
                 socket_path.unlink()
 
 
+class _Signals:
+    """The signals an operator sends while serving: the first SIGTERM or SIGINT drains and exits
+    when drained, a second aborts what is left and exits now; SIGUSR1 writes a snapshot."""
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, loop, config: ServerConfig, servers: tuple, stopping: asyncio.Event) -> None:
+        self.loop = loop
+        self.config = config
+        self.servers = servers
+        self.stopping = stopping
+        self.terminating = False
+        self.tasks: list[asyncio.Task] = []  # held, so that the drain watcher is not collected
+
+    def install(self, aloop: asyncio.AbstractEventLoop) -> None:
+        aloop.add_signal_handler(signal.SIGTERM, self.on_terminate, aloop, "SIGTERM")
+        aloop.add_signal_handler(signal.SIGINT, self.on_terminate, aloop, "SIGINT")
+        aloop.add_signal_handler(signal.SIGUSR1, self.on_usr1)
+
+    def remove(self, aloop: asyncio.AbstractEventLoop) -> None:
+        for sig in self.HANDLED:
+            aloop.remove_signal_handler(sig)
+
+    def exit_now(self) -> None:
+        self.stopping.set()
+        for s in self.servers:
+            s.should_exit = True
+
+    async def exit_when_drained(self) -> None:
+        while self.loop.engine.state != "drained" or self.loop.inflight:
+            await asyncio.sleep(0.05)
+        log("drained; exiting")
+        self.exit_now()
+
+    def on_terminate(self, aloop: asyncio.AbstractEventLoop, signame: str) -> None:
+        engine = self.loop.engine
+        if self.terminating:
+            log(f"{signame} again: aborting what is left and exiting now")
+            for request_id in list(engine.seqs):
+                engine.abort(request_id, "server exiting")
+            for s in self.servers:
+                s.force_exit = True
+            self.exit_now()
+            return
+        self.terminating = True
+        log(f"{signame}: draining (up to {self.config.drain_timeout:g} s), then exiting")
+        self.loop.drain(self.config.drain_timeout, abort_after=True)
+        self.tasks.append(aloop.create_task(self.exit_when_drained()))
+
+    def on_usr1(self) -> None:
+        def write() -> None:
+            try:
+                log(f"SIGUSR1: snapshot written to {self.loop.snapshot(reason='sigusr1')}")
+            except Exception as exc:
+                log(f"SIGUSR1: snapshot failed: {exc}")
+
+        threading.Thread(target=write, name="kvtop-snapshot", daemon=True).start()
+
+
 async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str) -> int:
     from engine.server.api import build_api
     from engine.server.control import build_control
@@ -170,50 +229,9 @@ async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_
     stopping = asyncio.Event()
     api_server = _Server(_uvicorn_config(build_api(loop, make_registry(loop)), log_level, config))
     ctl_server = _Server(_uvicorn_config(build_control(loop, stopping), log_level, config))
-    servers = (api_server, ctl_server)
     loop.start(aloop)
-
-    def exit_now() -> None:
-        stopping.set()
-        for s in servers:
-            s.should_exit = True
-
-    async def exit_when_drained() -> None:
-        while engine.state != "drained" or loop.inflight:
-            await asyncio.sleep(0.05)
-        log("drained; exiting")
-        exit_now()
-
-    terminating = False
-    tasks: list[asyncio.Task] = []
-
-    def on_terminate(signame: str) -> None:
-        nonlocal terminating
-        if terminating:
-            log(f"{signame} again: aborting what is left and exiting now")
-            for request_id in list(engine.seqs):
-                engine.abort(request_id, "server exiting")
-            for s in servers:
-                s.force_exit = True
-            exit_now()
-            return
-        terminating = True
-        log(f"{signame}: draining (up to {config.drain_timeout:g} s), then exiting")
-        loop.drain(config.drain_timeout, abort_after=True)
-        tasks.append(aloop.create_task(exit_when_drained()))
-
-    def on_usr1() -> None:
-        def write() -> None:
-            try:
-                log(f"SIGUSR1: snapshot written to {loop.snapshot(reason='sigusr1')}")
-            except Exception as exc:
-                log(f"SIGUSR1: snapshot failed: {exc}")
-
-        threading.Thread(target=write, name="kvtop-snapshot", daemon=True).start()
-
-    aloop.add_signal_handler(signal.SIGTERM, on_terminate, "SIGTERM")
-    aloop.add_signal_handler(signal.SIGINT, on_terminate, "SIGINT")
-    aloop.add_signal_handler(signal.SIGUSR1, on_usr1)
+    signals = _Signals(loop, config, (api_server, ctl_server), stopping)
+    signals.install(aloop)
     print(startup_summary(engine, config, api_url, socket_path), flush=True)
     t0 = time.time()
     try:
@@ -221,8 +239,7 @@ async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_
     finally:
         stopping.set()
         loop.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            aloop.remove_signal_handler(sig)
+        signals.remove(aloop)
     log(f"served for {time.time() - t0:.0f} s; bye")
     return 0
 

@@ -11,9 +11,10 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -43,11 +44,19 @@ def snapshot_refused(exc: SnapshotError) -> APIError:
 
 
 def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
-    engine = loop.engine
     app = FastAPI(title="kvtop control", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    app.include_router(reading_router(loop, stopping))
+    app.include_router(operator_router(loop))
+    return app
 
-    @app.get("/v1/healthz")
+
+def reading_router(loop: EngineLoop, stopping: asyncio.Event) -> APIRouter:
+    """What the dashboard and `kvctl status` read: health, the frame, its stream, the history."""
+    router = APIRouter(prefix="/v1")
+    engine = loop.engine
+
+    @router.get("/healthz")
     async def healthz():
         return {
             "status": "ok" if loop.running else "engine thread stopped",
@@ -58,28 +67,17 @@ def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
             **loop.addresses,
         }
 
-    @app.get("/v1/stats")
+    @router.get("/stats")
     def stats():
         return loop.frame()
 
-    @app.get("/v1/stats/stream")
+    @router.get("/stats/stream")
     async def stats_stream(interval: float = 0.5):
         if not MIN_INTERVAL <= interval <= MAX_INTERVAL:
             raise APIError(400, f"interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds", param="interval")
+        return StreamingResponse(frame_lines(loop, stopping, interval), media_type="application/x-ndjson")
 
-        async def lines():
-            while not stopping.is_set():
-                t0 = time.monotonic()
-                frame = await run_in_threadpool(loop.frame)
-                yield json.dumps(frame, separators=(",", ":")) + "\n"
-                try:
-                    await asyncio.wait_for(stopping.wait(), timeout=max(0.0, interval - (time.monotonic() - t0)))
-                except asyncio.TimeoutError:
-                    pass
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @app.get("/v1/history")
+    @router.get("/history")
     def history(since: float | None = None):
         frames = loop.recorder.snapshot_frames()
         events = list(engine.metrics.events)
@@ -93,40 +91,65 @@ def build_control(loop: EngineLoop, stopping: asyncio.Event) -> FastAPI:
             "events": events,
         }
 
-    @app.post("/v1/drain")
+    return router
+
+
+async def frame_lines(loop: EngineLoop, stopping: asyncio.Event, interval: float) -> AsyncIterator[str]:
+    """One JSON frame a line every `interval` seconds, until the server stops."""
+    while not stopping.is_set():
+        t0 = time.monotonic()
+        frame = await run_in_threadpool(loop.frame)
+        yield json.dumps(frame, separators=(",", ":")) + "\n"
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=max(0.0, interval - (time.monotonic() - t0)))
+        except asyncio.TimeoutError:
+            pass
+
+
+def operator_router(loop: EngineLoop) -> APIRouter:
+    """What an operator does to the engine: drain, resume, evict, snapshot."""
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/drain")
     async def drain(request: Request):
         req = await read_control(request, DrainRequest)
         return loop.drain(req.timeout_s, req.abort_after)
 
-    @app.post("/v1/resume")
+    @router.post("/resume")
     async def resume():
         return loop.resume()
 
-    @app.post("/v1/evict")
+    @router.post("/evict")
     async def evict(request: Request):
-        req = await read_control(request, EvictRequest)
-        chosen = [x for x in (req.seq_id is not None, req.prefix_cache, req.blocks is not None) if x]
-        if len(chosen) != 1:
-            raise APIError(400, "give exactly one of seq_id, prefix_cache: true, or blocks: N")
-        if req.seq_id is not None:
-            if not loop.evict_sequence(req.seq_id, req.requeue):
-                raise APIError(404, f"no sequence {req.seq_id!r} in flight", param="seq_id", code="not_found")
-            return {"evicted": "sequence", "seq_id": req.seq_id, "requeue": req.requeue}
-        n = loop.evict_prefix_cache(None if req.prefix_cache else req.blocks)
-        return {"evicted": "prefix_cache", "blocks": n}
+        return evict_one(loop, await read_control(request, EvictRequest))
 
-    @app.post("/v1/snapshot")
+    @router.post("/snapshot")
     async def snapshot(request: Request):
-        req = await read_control(request, SnapshotBody)
-        try:
-            if req.path is not None:
-                check_target(req.path, force=req.force)  # before the event is logged: a bad path leaves no trace
-            path = await run_in_threadpool(loop.snapshot, req.path, req.reason, None, req.force)
-        except SnapshotError as exc:
-            raise snapshot_refused(exc) from None
-        except OSError as exc:
-            where = req.path or str(loop.config.snapshot_dir)
-            raise APIError(400, f"cannot write a snapshot to {where}: {exc.strerror or exc}", param="path") from None
-        return {"path": str(Path(path))}
+        return await write_snapshot(loop, await read_control(request, SnapshotBody))
 
-    return app
+    return router
+
+
+def evict_one(loop: EngineLoop, req: EvictRequest) -> dict:
+    chosen = [x for x in (req.seq_id is not None, req.prefix_cache, req.blocks is not None) if x]
+    if len(chosen) != 1:
+        raise APIError(400, "give exactly one of seq_id, prefix_cache: true, or blocks: N")
+    if req.seq_id is not None:
+        if not loop.evict_sequence(req.seq_id, req.requeue):
+            raise APIError(404, f"no sequence {req.seq_id!r} in flight", param="seq_id", code="not_found")
+        return {"evicted": "sequence", "seq_id": req.seq_id, "requeue": req.requeue}
+    n = loop.evict_prefix_cache(None if req.prefix_cache else req.blocks)
+    return {"evicted": "prefix_cache", "blocks": n}
+
+
+async def write_snapshot(loop: EngineLoop, req: SnapshotBody) -> dict:
+    try:
+        if req.path is not None:
+            check_target(req.path, force=req.force)  # before the event is logged: a bad path leaves no trace
+        path = await run_in_threadpool(loop.snapshot, req.path, req.reason, None, req.force)
+    except SnapshotError as exc:
+        raise snapshot_refused(exc) from None
+    except OSError as exc:
+        where = req.path or str(loop.config.snapshot_dir)
+        raise APIError(400, f"cannot write a snapshot to {where}: {exc.strerror or exc}", param="path") from None
+    return {"path": str(Path(path))}
