@@ -106,7 +106,7 @@ def compare_backends(backends: list[str], dtypes: list[str], kinds: list[str], a
     return results
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     ap.add_argument("--workload", choices=["fixed", "variable", "both"], default="both")
@@ -120,7 +120,46 @@ def main() -> None:
         "--attention-backend", default="auto", help="auto, cpu, triton, reference, or a list: cpu,reference"
     )
     ap.add_argument("--repeats", type=int, default=1, help="with a list of backends: runs of each, the best kept")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure(llm: LLM, hf, dtype: str, kind: str, args: argparse.Namespace) -> dict:
+    """One (dtype, workload) row: the engine against transformers' generate on the same prompts."""
+    prompts, out_lens = workload(kind, args.num_prompts)
+    useful = sum(out_lens)
+    row = {"dtype": dtype, "workload": kind, "prompts": len(prompts), "output_tokens": useful}
+    row["engine_s"] = run_engine(llm, prompts, out_lens)
+    row["hf_static_s"] = run_hf_static(hf, prompts, out_lens, args.hf_batch_size)
+    row["engine_tok_s"] = useful / row["engine_s"]
+    row["hf_static_tok_s"] = useful / row["hf_static_s"]
+    if args.generate_batch_prompts:
+        gp, gl = prompts[: args.generate_batch_prompts], out_lens[: args.generate_batch_prompts]
+        gb = run_hf_generate_batch(hf, gp, gl)
+        eng = run_engine(llm, gp, gl)
+        row["gb_prompts"] = len(gp)
+        row["hf_generate_batch_tok_s"] = sum(gl) / gb if gb else None
+        row["engine_same_prompts_tok_s"] = sum(gl) / eng
+    row["preemptions"] = llm.stats()["scheduler"]["preemptions_total"]
+    return row
+
+
+def print_row(row: dict) -> None:
+    gbs = row.get("hf_generate_batch_tok_s")
+    print(
+        f"{row['dtype']:9} {row['workload']:8} engine {row['engine_tok_s']:7.1f} tok/s | transformers generate "
+        f"{row['hf_static_tok_s']:7.1f} tok/s | ratio {row['engine_tok_s'] / row['hf_static_tok_s']:.2f}x"
+        + (
+            f" || on {row['gb_prompts']} prompts: engine {row['engine_same_prompts_tok_s']:.1f} vs "
+            f"generate_batch {gbs:.1f} tok/s, ratio {row['engine_same_prompts_tok_s'] / gbs:.2f}x"
+            if gbs
+            else ""
+        ),
+        flush=True,
+    )
+
+
+def main() -> None:
+    args = parse_args()
     from transformers import AutoModelForCausalLM
 
     from engine.model.loader import resolve_model_dir
@@ -134,42 +173,15 @@ def main() -> None:
         results = compare_backends(args.attention_backend.split(","), dtypes, kinds, args)
         dtypes = []
     for dtype in dtypes:
-        tdtype = getattr(torch, dtype)
         llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory,
                   attention_backend=args.attention_backend, quiet=True)  # fmt: skip
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         # warm both paths once so one-time costs (allocator, kernels) do not land in the figures
         run_engine(llm, *workload("fixed", 4, seed=99))
         run_hf_static(hf, *workload("fixed", 4, seed=99), 4)
         for kind in kinds:
-            prompts, out_lens = workload(kind, args.num_prompts)
-            useful = sum(out_lens)
-            row = {"dtype": dtype, "workload": kind, "prompts": len(prompts), "output_tokens": useful}
-            row["engine_s"] = run_engine(llm, prompts, out_lens)
-            row["hf_static_s"] = run_hf_static(hf, prompts, out_lens, args.hf_batch_size)
-            row["engine_tok_s"] = useful / row["engine_s"]
-            row["hf_static_tok_s"] = useful / row["hf_static_s"]
-            if args.generate_batch_prompts:
-                gp, gl = prompts[: args.generate_batch_prompts], out_lens[: args.generate_batch_prompts]
-                gb = run_hf_generate_batch(hf, gp, gl)
-                eng = run_engine(llm, gp, gl)
-                row["gb_prompts"] = len(gp)
-                row["hf_generate_batch_tok_s"] = sum(gl) / gb if gb else None
-                row["engine_same_prompts_tok_s"] = sum(gl) / eng
-            row["preemptions"] = llm.stats()["scheduler"]["preemptions_total"]
-            results.append(row)
-            gbs = row.get("hf_generate_batch_tok_s")
-            print(
-                f"{dtype:9} {kind:8} engine {row['engine_tok_s']:7.1f} tok/s | transformers generate "
-                f"{row['hf_static_tok_s']:7.1f} tok/s | ratio {row['engine_tok_s'] / row['hf_static_tok_s']:.2f}x"
-                + (
-                    f" || on {row['gb_prompts']} prompts: engine {row['engine_same_prompts_tok_s']:.1f} vs "
-                    f"generate_batch {gbs:.1f} tok/s, ratio {row['engine_same_prompts_tok_s'] / gbs:.2f}x"
-                    if gbs
-                    else ""
-                ),
-                flush=True,
-            )
+            results.append(measure(llm, hf, dtype, kind, args))
+            print_row(results[-1])
         del llm, hf
     if args.json_path:
         with open(args.json_path, "w") as f:
