@@ -18,7 +18,7 @@ from engine.server.routes_chat import chat_router
 from engine.server.routes_completions import completions_router
 from engine.server.routes_models import health_router, models_router
 from engine.server.serving import Serving
-from kvtop import __version__
+from engine.version import __version__
 
 
 def build_api(loop: EngineLoop, registry) -> FastAPI:
