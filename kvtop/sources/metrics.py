@@ -17,6 +17,7 @@ import httpx
 
 from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable
 from kvtop.sources.mappings import Mapping, by_kind, detect
+from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import NotMetrics, Scrape, delta, histogram_quantile, parse
 
 WINDOW_S = 60.0  # latency percentiles over the last minute
@@ -181,8 +182,10 @@ class MetricsSource(FrameSource):
             self.last_error, self.failure = str(exc), exc.state
             raise SourceUnavailable(self.last_error) from None
         self.disconnected_since, self.last_error, self.failure = None, None, None
+        slots = read_slots(self._client, self.url) if mapping.kind == "llamacpp" else {}  # its per-sequence view
         with self._lock:
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
+            add_slots(frame, slots)
             self._scrapes.append(scrape)
             while self._scrapes and self._scrapes[0].ts < scrape.ts - WINDOW_S - 5:
                 self._scrapes.popleft()
