@@ -1,0 +1,167 @@
+"""kvtop --url: the dashboard over an engine's Prometheus /metrics (issue #15).
+
+Against our own `kvctl serve` (its /metrics, not its socket) and against a recorded vLLM page on a
+loopback HTTP server: the KV panel shows what /metrics says, the panels /metrics cannot feed say so
+in one line, and no operator key (drain, resume, evict, snapshot) is offered or answers. The
+command line: one line and a non-zero exit for what it cannot act on; which source each form opens.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtop.dashboard.app import KvtopApp, main
+from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.help import HelpScreen
+from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.dashboard.widgets.latency import LatencyPanel
+from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.fleet import Fleet
+from kvtop.sources.metrics import MetricsSource
+from tests.helpers import widget_text as text
+from tests.server_harness import start_server
+from tests.test_fleet import Server, Targets
+
+SIZE = (160, 48)
+ACTION_KEYS = ("d", "r", "e", "E", "s")
+
+
+@pytest.fixture
+def base():
+    server = Server(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout * 10)):
+        if condition():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def figure(panel_text: str, label: str) -> str:
+    """The value printed after `label` in a panel."""
+    return panel_text.split(f"{label} ", 1)[1].split()[0]
+
+
+def grid(app: KvtopApp) -> str:
+    return text(app.query_one(BlockMap).query_one("#block-grid"))
+
+
+def notes(app: KvtopApp, panel) -> str:
+    return " ".join(text(s) for s in app.query_one(panel).query(".absent-note"))
+
+
+async def no_action_answers(pilot, app: KvtopApp) -> None:
+    """Neither the footer nor the keys offer drain, resume, evict or snapshot."""
+    offered = {key for key, b in app.active_bindings.items() if b.enabled}
+    assert not offered & {"d", "r", "e", "E", "s"}, offered
+    for key in ACTION_KEYS:
+        await pilot.press(key)
+        await pilot.pause(0.1)
+        assert app.screen is app.base, f"{key} opened {type(app.screen).__name__}"
+    await pilot.press("question_mark")
+    await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+    assert "Actions" not in str(app.screen.groups) and "no controls" in app.screen.mode
+    await pilot.press("escape")
+
+
+@pytest.mark.anyio
+async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_key(tiny_dir):
+    server = start_server(tiny_dir, "--kv-cache-memory", "512KiB", "--max-num-seqs", "8")
+    try:
+        with server.http() as http:  # one request: latency and prefix counts to compare
+            r = http.post("/v1/completions", json={"model": str(tiny_dir), "prompt": "hello there", "max_tokens": 8})
+            assert r.status_code == 200
+        socket_frame = server.stats()
+        app = KvtopApp(MetricsSource(server.url, interval=0.2))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.source.current is not None, "a frame from /metrics")
+            await pilot.pause(0.3)
+            frame = app.source.current
+            assert frame["source"]["kind"] == "metrics" and frame["engine"]["kind"] == "kvtop"
+            kv = text(app.query_one(KVPanel))
+            assert kv.splitlines()[0].endswith(fmt.pct(frame["kv"]["usage"]))
+            assert figure(kv, "total") == str(socket_frame["kv"]["num_blocks"])  # the socket's count, from /metrics
+            assert f"{socket_frame['kv']['block_size']} tok/block" in kv
+            ttft = socket_frame["latency"]["ttft"]["count"]
+            assert ttft == 1 and f"all n={ttft}" in text(app.query_one(LatencyPanel))
+            assert "/metrics carries no block map (kvtop --socket shows it)" in grid(app)
+            assert "kvtop via /metrics, no controls" in text(app.query_one(EngineHeader))
+            await no_action_answers(pilot, app)
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.anyio
+async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(base):
+    app = KvtopApp(MetricsSource(f"{base}/vllm/0/metrics", interval=0.2))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current and app.source.current["throughput"], "two scrapes")
+        await pilot.pause(0.3)
+        assert grid(app).strip() == "vLLM exposes no block map"  # one line, not a map of dots
+        assert notes(app, SequencesPanel) == "vLLM exposes no per-sequence table"
+        assert not app.query_one(SequencesTable).display
+        kv = text(app.query_one(KVPanel))
+        assert kv.splitlines()[0].endswith("2.5%") and figure(kv, "total") == "364"  # vllm:cache_config_info
+        assert figure(kv, "used") == "–"  # vLLM does not say: a dash, never 0
+        assert "smollm2-135m" in text(app.query_one(EngineHeader))
+        await no_action_answers(pilot, app)
+
+
+def run_cli(monkeypatch, *argv: str) -> KvtopApp:
+    started: list[KvtopApp] = []
+    monkeypatch.setattr("kvtop.dashboard.app.KvtopApp.run", lambda self, *a, **k: started.append(self))
+    main(list(argv))  # returns (exit status 0) once the dashboard has run
+    assert len(started) == 1
+    return started[0]
+
+
+def test_the_command_line_opens_the_source_it_names(monkeypatch, tmp_path: Path):
+    app = run_cli(monkeypatch, "--url", "http://node-1:8000", "--engine", "vllm")
+    assert isinstance(app.source, MetricsSource) and app.source.url == "http://node-1:8000/metrics"
+    assert app.source.mapping.kind == "vllm" and app.fleet is None
+    targets = tmp_path / "fleet.txt"
+    targets.write_text("# the fleet\nhttp://node-1:8000\n\nnode-2:8000  # a comment\n")
+    app = run_cli(monkeypatch, "--url", "http://node-0:30000", "--targets", str(targets))
+    assert app.source is None and isinstance(app.fleet, Fleet)
+    assert [s.url for s in app.fleet.sources] == [
+        "http://node-0:30000/metrics", "http://node-1:8000/metrics", "http://node-2:8000/metrics"
+    ]  # fmt: skip
+    app.fleet.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--url", "ftp://x/metrics"], "is not an http(s) URL"),
+        (["--url", "http://a:1", "--engine", "tgi"], "--engine 'tgi': use one of"),
+        (["--url", "http://a:1", "--socket", "/tmp/x.sock"], "not with --socket or --replay"),
+        (["--engine", "vllm"], "--engine goes with --url or --targets"),
+        (["--targets", "/nonexistent/fleet.txt"], "cannot read --targets /nonexistent/fleet.txt"),
+        (["--prometheus", "http://p:9090", "--url", "http://a:1"], "not with --url or --targets"),
+    ],
+)
+def test_a_command_line_it_cannot_act_on_is_one_line(argv, says, capsys, monkeypatch):
+    monkeypatch.setattr("kvtop.dashboard.app.KvtopApp.run", lambda self, *a, **k: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtop: ") and says in err[0], err
+
+
+def test_an_empty_targets_file_is_refused(tmp_path: Path, capsys):
+    empty = tmp_path / "none.txt"
+    empty.write_text("# nobody yet\n\n")
+    with pytest.raises(SystemExit):
+        main(["--targets", str(empty)])
+    assert "names no engine" in capsys.readouterr().err
