@@ -202,3 +202,41 @@ def test_kvctl_record_from_our_own_server_agrees_with_its_stats(tiny_dir, tmp_pa
     assert last["latency"]["ttft"]["count"] == stats["latency"]["ttft"]["count"] == 3
     assert last["prefix"]["query_tokens"] == page["kvtop_prefix_cache_queries_total"]
     assert last["scheduler"]["running"] == 0 and last["kv"]["usage"] == 0
+
+
+VLLM_SNAPSHOT = Path(__file__).resolve().parent.parent / "snapshots" / "engines" / "vllm-under-load.kvsnap"
+
+
+def test_the_vllm_recording_is_small_real_and_from_vllm():
+    assert VLLM_SNAPSHOT.stat().st_size < 1024 * 1024
+    snap = read_snapshot(VLLM_SNAPSHOT)
+    assert snap.meta["config"]["engine"] == "vllm" and snap.meta["config"]["recorded_by"] == "kvtop"
+    busy = [f for f in snap.frames if f["scheduler"]["running"]]
+    assert max(f["scheduler"]["waiting"] for f in busy) > 0  # more load than it ran at once
+    assert max(f["kv"]["usage"] for f in busy) > 0.5 and snap.frames[-1]["kv"]["usage"] == 0  # then idle
+
+
+@pytest.mark.anyio
+async def test_kvtop_replays_the_vllm_recording_with_its_kv_usage_and_no_block_map():
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets import fmt
+    from kvtop.dashboard.widgets.block_map import BlockMap
+    from kvtop.dashboard.widgets.kv_panel import KVPanel
+    from kvtop.dashboard.widgets.timeline import Timeline
+    from tests.helpers import widget_text as text
+
+    snap = read_snapshot(VLLM_SNAPSHOT)
+    busiest = max(range(len(snap.frames)), key=lambda i: snap.frames[i]["kv"]["usage"])
+    source = ReplaySource.open(VLLM_SNAPSHOT)
+    app = KvtopApp(source)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        assert f"frame 1/{len(snap.frames)}" in text(app.query_one(Timeline))
+        await pilot.press(*["right"] * busiest)
+        await pilot.pause()
+        assert source.index == busiest and source.error is None
+        usage = snap.frames[busiest]["kv"]["usage"]
+        kv = text(app.query_one(KVPanel))
+        assert kv.splitlines()[0].endswith(fmt.pct(usage)) and "128 tok/block" in kv
+        assert text(app.query_one(BlockMap).query_one("#block-grid")).strip() == "vLLM exposes no block map"
+        await pilot.press("q")
