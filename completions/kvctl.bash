@@ -10,7 +10,7 @@ _kvctl_complete() {
     done
     case "$sub" in
         "")
-            COMPREPLY=( $(compgen -W "bench completion drain evict plan replay resume run serve snapshot status --version --help" -- "$cur") )
+            COMPREPLY=( $(compgen -W "bench completion drain evict plan record replay resume run serve snapshot status --version --help" -- "$cur") )
             ;;
         bench)
             case "$prev" in
@@ -80,6 +80,19 @@ _kvctl_complete() {
                 COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --context --json --help" -- "$cur") )
             fi
             ;;
+        record)
+            case "$prev" in
+                --url) COMPREPLY=(); return 0 ;;
+                --output|-o) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --duration) COMPREPLY=(); return 0 ;;
+                --interval) COMPREPLY=(); return 0 ;;
+                --engine) COMPREPLY=(); return 0 ;;
+                --reason) COMPREPLY=(); return 0 ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=( $(compgen -W "--url --output -o --duration --interval --engine --reason --force --help" -- "$cur") )
+            fi
+            ;;
         replay)
             case "$prev" in
             esac
@@ -129,6 +142,7 @@ _kvctl_complete() {
             ;;
         serve)
             case "$prev" in
+                --log-level) COMPREPLY=( $(compgen -W "critical error warning info debug" -- "$cur") ); return 0 ;;
                 --host) COMPREPLY=(); return 0 ;;
                 --port) COMPREPLY=(); return 0 ;;
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
@@ -147,7 +161,6 @@ _kvctl_complete() {
                 --max-request-body) COMPREPLY=(); return 0 ;;
                 --read-timeout) COMPREPLY=(); return 0 ;;
                 --max-connections) COMPREPLY=(); return 0 ;;
-                --log-level) COMPREPLY=( $(compgen -W "critical error warning info debug" -- "$cur") ); return 0 ;;
                 --model|-m) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
                 --dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return 0 ;;
                 --device) COMPREPLY=(); return 0 ;;
@@ -166,7 +179,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --log-level --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         snapshot)

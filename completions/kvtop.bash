@@ -6,9 +6,13 @@ _kvtop_complete() {
         --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
         --interval) COMPREPLY=(); return 0 ;;
         --replay) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+        --url) COMPREPLY=(); return 0 ;;
+        --engine) COMPREPLY=(); return 0 ;;
+        --targets) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+        --prometheus) COMPREPLY=(); return 0 ;;
     esac
     if [[ "$cur" == -* ]]; then
-        COMPREPLY=( $(compgen -W "--socket --interval --readonly --replay --version --help" -- "$cur") )
+        COMPREPLY=( $(compgen -W "--socket --interval --readonly --replay --url --engine --targets --prometheus --version --help" -- "$cur") )
     fi
     return 0
 }

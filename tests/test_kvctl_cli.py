@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import pty
+import select
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -157,20 +165,34 @@ def test_replay_refuses_a_bad_file_in_one_line(tmp_path, capsys):
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_replay_opens_the_dashboard(tmp_path, monkeypatch):
-    import kvtop.dashboard.app
-
-    snap = _good_snapshot(tmp_path / "ok.kvsnap")
-    calls = []
-    monkeypatch.setattr(kvtop.dashboard.app, "main", lambda argv=None: calls.append(argv))
-    result = CliRunner().invoke(cli.app, ["replay", str(snap)])
-    assert result.exit_code == 0, result.output
-    assert calls == [["--replay", str(snap)]]
-
-    monkeypatch.setattr(kvtop.dashboard.app, "main", lambda: None)  # a dashboard without argv: not there yet
-    result = CliRunner().invoke(cli.app, ["replay", str(snap)])
-    assert result.exit_code == 0
-    assert "2 frames" in result.output and "dashboard is not available yet" in result.output
+def test_replay_opens_the_dashboard_on_the_file(tmp_path):
+    """`kvctl replay FILE` on a terminal: the dashboard comes up replaying that file, `q` quits, exit 0."""
+    snap = shutil.copy(ROOT / "snapshots" / "preemption-storm.kvsnap", tmp_path / "storm.kvsnap")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a 160×40 terminal, then kvctl as a user types it
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        os.execve(sys.executable, [sys.executable, "-m", "kvtop.ctl.cli", "replay", str(snap)], _env(TERM="xterm"))
+    screen, deadline = b"", time.monotonic() + 90
+    try:  # the header names the file it replays, the timeline the frame shown
+        while "◆ replay".encode() not in screen or b"storm.kvsnap" not in screen or b"frame 1/" not in screen:
+            assert time.monotonic() < deadline, f"the dashboard never showed the replay: {screen[-600:]!r}"
+            if select.select([fd], [], [], 0.2)[0]:
+                screen += os.read(fd, 65536)
+        os.write(fd, b"q")
+        done, status = 0, 0
+        while not done:
+            assert time.monotonic() < deadline, "q did not quit"
+            if select.select([fd], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(fd, 65536)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        pid = 0
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
 
 
 def test_completions_are_up_to_date(tmp_path):

@@ -2,19 +2,21 @@
 
 Static rather than typer's call-back scripts: a TAB must not start Python. The scripts are
 checked in under `completions/` (`make completions` rewrites them; a test fails when they are
-stale). The command tree is read from the typer app (kvctl) and from whatever `kvtop.dashboard.app`
-exposes (a typer/click app or an argparse parser); choices the CLI keeps as plain strings come
-from the constants in `engine.config`.
+stale). The command trees are read from the two typer apps (`kvtop.ctl.cli.app`,
+`kvtop.dashboard.app.cli`); choices the CLIs keep as plain strings come from the constants in
+`engine.config`.
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Literal, get_args, get_origin
+
+import typer
 
 from engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES
 from engine.server.config import TRIGGERS
@@ -104,56 +106,16 @@ def from_click(command, name: str) -> Cmd:
     return cmd
 
 
-def from_argparse(parser: argparse.ArgumentParser, name: str) -> Cmd:
-    cmd = Cmd(name, _first_sentence(parser.description))
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for sub_name, sub in a.choices.items():
-                cmd.subcommands.append(from_argparse(sub, sub_name))
-            continue
-        if a.help == argparse.SUPPRESS:
-            continue
-        if not a.option_strings:
-            cmd.args.append((a.dest, tuple(a.choices or ()), False))
-            continue
-        cmd.options.append(_opt(list(a.option_strings), a.help or "", a.nargs != 0, a.choices or ()))
-    return cmd
-
-
 def kvctl_command() -> Cmd:
-    import typer
-
     from kvtop.ctl.cli import app
 
     return from_click(typer.main.get_command(app), "kvctl")
 
 
-def kvtop_command() -> Cmd | None:
-    """kvtop's CLI when `kvtop.dashboard.app` exposes one (typer/click app, or an argparse parser); else None."""
-    try:
-        import kvtop.dashboard.app as module
-    except Exception:
-        return None
-    import typer
+def kvtop_command() -> Cmd:
+    from kvtop.dashboard.app import cli
 
-    for attr in ("app", "cli", "command"):
-        obj = getattr(module, attr, None)
-        if isinstance(obj, typer.Typer):
-            return from_click(typer.main.get_command(obj), "kvtop")
-        if obj is not None and hasattr(obj, "params") and hasattr(obj, "make_context"):
-            return from_click(obj, "kvtop")
-    for attr in ("build_parser", "make_parser", "get_parser", "parser"):
-        obj = getattr(module, attr, None)
-        if isinstance(obj, argparse.ArgumentParser):
-            return from_argparse(obj, "kvtop")
-        if callable(obj):
-            try:
-                parser = obj()
-            except Exception:
-                continue
-            if isinstance(parser, argparse.ArgumentParser):
-                return from_argparse(parser, "kvtop")
-    return None
+    return from_click(typer.main.get_command(cli), "kvtop")
 
 
 # ---- writing scripts ---------------------------------------------------------------------
@@ -163,6 +125,14 @@ def _header(prog: str, shell: str) -> str:
 
 def _names(opts: list[Opt]) -> str:
     return " ".join(n for o in opts for n in o.names)
+
+
+def _case_arms(subcommands: list[Cmd], body: Callable[[Cmd, str], list[str]], indent: str) -> list[str]:
+    """One `name) … ;;` arm of a shell `case` per subcommand, its body one step further in."""
+    lines = []
+    for sub in subcommands:
+        lines += [f"{indent}{sub.name})", *body(sub, indent + "    "), f"{indent}    ;;"]
+    return lines
 
 
 def _bash_cmd_body(cmd: Cmd, indent: str) -> list[str]:
@@ -213,10 +183,7 @@ def bash_script(cmd: Cmd) -> str:
             f'            COMPREPLY=( $(compgen -W "{" ".join(s.name for s in cmd.subcommands)} {_names(cmd.options)}" -- "$cur") )',
             "            ;;",
         ]
-        for sub in cmd.subcommands:
-            lines.append(f"        {sub.name})")
-            lines += _bash_cmd_body(sub, " " * 12)
-            lines.append("            ;;")
+        lines += _case_arms(cmd.subcommands, _bash_cmd_body, " " * 8)
         lines.append("    esac")
     else:
         lines += _bash_cmd_body(cmd, "    ")
@@ -277,10 +244,7 @@ def zsh_script(cmd: Cmd) -> str:
         lines.append(f"        command) _describe -t commands '{cmd.name} command' commands ;;")
         lines.append("        args)")
         lines.append("            case $words[1] in")
-        for s in cmd.subcommands:
-            lines.append(f"                {s.name})")
-            lines += _zsh_args(s, " " * 20)
-            lines.append("                    ;;")
+        lines += _case_arms(cmd.subcommands, _zsh_args, " " * 16)
         lines.append("            esac")
         lines.append("            ;;")
         lines.append("    esac")
@@ -341,10 +305,9 @@ RENDERERS = {"bash": bash_script, "zsh": zsh_script, "fish": fish_script}
 def script(prog: str, shell: str) -> str:
     if shell not in RENDERERS:
         raise ValueError(f"unknown shell {shell!r}: use {', '.join(SHELLS)}")
-    cmd = kvctl_command() if prog == "kvctl" else kvtop_command()
-    if cmd is None:
-        raise ValueError(f"{prog} exposes no CLI to complete yet")
-    return RENDERERS[shell](cmd)
+    if prog not in ("kvctl", "kvtop"):
+        raise ValueError(f"unknown program {prog!r}: use kvctl or kvtop")
+    return RENDERERS[shell](kvctl_command() if prog == "kvctl" else kvtop_command())
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -352,8 +315,6 @@ def generate(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for prog, cmd in (("kvctl", kvctl_command()), ("kvtop", kvtop_command())):
-        if cmd is None:
-            continue
         for shell in SHELLS:
             path = out_dir / FILE_NAMES[shell].format(prog=prog)
             path.write_text(RENDERERS[shell](cmd))

@@ -1,4 +1,5 @@
-"""Engine knobs as typer options, declared once and added to every command that builds an engine.
+"""Options declared once and shared by kvctl's commands: the engine knobs (added to every command
+that builds an engine), the control socket, `--json`.
 
 Flags are the EngineConfig field names in kebab case (DESIGN §5): `--kv-cache-memory 128MiB`.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -76,27 +79,43 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
 }
 
 
+SOCKET_HELP = "Control socket (default: $KVTOP_SOCKET, else $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock)."
+SocketOption = Annotated[Path | None, typer.Option("--socket", help=SOCKET_HELP)]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def with_options(options: dict[str, tuple[object, object]], defaults: dict, build: Callable[..., object], param: str):
+    """A decorator adding every flag of `options` (name -> (type, typer.Option)) to a typer command,
+    keyword-only after its own; the command receives `param=build(**those values)` instead."""
+
+    def decorate(func):
+        sig = inspect.signature(func, eval_str=True)
+        params = [p for name, p in sig.parameters.items() if name != param]
+        for name, (annotation, option) in options.items():
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=defaults[name],
+                    annotation=Annotated[annotation, option],
+                )
+            )
+
+        @functools.wraps(func)
+        def wrapper(**kwargs):
+            values = {name: kwargs.pop(name) for name in options}
+            return func(**{param: build(**values)}, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=params)
+        # typer reads annotations too: give it the real objects, not the wrapped function's
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
+
+
 def with_engine_options(func):
     """Add every ENGINE_OPTIONS flag to a typer command; the command receives `config: EngineConfig`."""
     defaults = EngineConfig()
-    sig = inspect.signature(func, eval_str=True)
-    params = [p for name, p in sig.parameters.items() if name != "config"]
-    for name, (annotation, option) in ENGINE_OPTIONS.items():
-        params.append(
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=getattr(defaults, name),
-                annotation=Annotated[annotation, option],
-            )
-        )
-
-    @functools.wraps(func)
-    def wrapper(**kwargs):
-        engine_kwargs = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
-        return func(config=EngineConfig(**engine_kwargs), **kwargs)
-
-    wrapper.__signature__ = sig.replace(parameters=params)
-    # typer reads annotations too: give it the real objects, not the wrapped function's
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper
+    values = {name: getattr(defaults, name) for name in ENGINE_OPTIONS}
+    return with_options(ENGINE_OPTIONS, values, EngineConfig, "config")(func)
