@@ -159,7 +159,7 @@ async def test_every_panel_shows_the_live_engine(server: Engine):
 
         table = app.query_one(SequencesTable)
         assert table.row_count == len(frame["sequences"])
-        assert {r.value for r in table.rows} == {s["id"] for s in frame["sequences"]}
+        assert set(table.ids) == {s["id"] for s in frame["sequences"]}
         # the selected sequence's blocks are named under the block map
         selected = app.state.selected_seq
         seq = next(s for s in frame["sequences"] if s["id"] == selected)
@@ -198,7 +198,7 @@ async def test_sort_by_column_and_filter(server: Engine):
         panel = app.query_one(SequencesPanel)
 
         def order() -> list[str]:
-            return [r.value for r in table.rows]
+            return list(table.ids)
 
         assert "sort age ↓" in str(panel.border_title)
         await pilot.press("o")  # the sort picker, on the current column (age): output is four rows up

@@ -1,9 +1,13 @@
 """Sequences: one row per request in the engine, sortable by any column, filterable with `/`.
 
-The table is rebuilt from each frame in the chosen order; the cursor follows the selected
-sequence by id, so a row keeps its highlight as others come and go. Moving the cursor selects
-(the block map then highlights that sequence's blocks; `e` evicts it); enter opens its details.
-Ids and filter text come from clients and files: they are drawn as plain text, never as markup.
+The table is plain lines of text, drawn from each frame in the chosen order (a header, then the
+rows that fit): like every other panel it repaints only the lines that changed, where a
+`DataTable` re-rendered every cell each frame (half of kvtop's CPU). The cursor follows the
+selected sequence by id, so a row keeps its highlight as others come and go. Moving the cursor
+(j/k, ↑/↓, page keys, the wheel, a click) selects: the block map then highlights that
+sequence's blocks and `e` evicts it; enter, or a click on the selected row, opens its details;
+a click on a column's header sorts by it. Ids and filter text come from clients and files: they
+are drawn as plain text, never as markup.
 """
 
 from __future__ import annotations
@@ -11,19 +15,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rich.text import Text
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.content import Content
-from textual.widgets import DataTable, Input
+from textual.widgets import Input
 
 from kvtop.dashboard.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
 from kvtop.dashboard.widgets import fmt
-from kvtop.dashboard.widgets.view import SORT_COLUMNS, View
+from kvtop.dashboard.widgets.view import SORT_COLUMNS, LinesStatic, View, ViewState
 
 ID_WIDTH = 12
-MAX_ROWS = 500  # rows drawn, in the chosen order; the title says how many more there are
+MAX_ROWS = 500  # rows kept, in the chosen order; the title says how many more there are
+GAP = 2  # spaces between columns (1 where the panel is too narrow for 2)
 
 
 def short_id(seq_id: str, width: int = ID_WIDTH) -> str:
@@ -46,6 +51,7 @@ COLUMNS = {  # key: (header, frame field, formatter)
     "itl": ("ITL", "itl_s", fmt.secs),
 }
 assert tuple(COLUMNS) == SORT_COLUMNS
+LEFT = ("id", "state")  # left-aligned columns; numbers are right-aligned
 STATE_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
 
 
@@ -61,39 +67,159 @@ def visible(sequences: list[dict], text: str, column: str, reverse: bool) -> lis
     return sorted(known, key=key, reverse=reverse) + missing
 
 
-def row_cells(s: dict, id_width: int) -> list[Text]:
-    """A sequence's cells, in COLUMNS order."""
+def row_cells(s: dict, id_width: int) -> list[str]:
+    """A sequence's cells, in COLUMNS order, as the plain text shown."""
     cells = []
     for key, (_, field, formatter) in COLUMNS.items():
         v = s.get(field)
-        text = "-" if v is None else short_id(v, id_width) if key == "id" else formatter(v)
-        if key == "state":
-            cells.append(Text(text, STATE_STYLES.get(text, "")))
-        elif key == "id":
-            cells.append(Text(text))  # a str cell would be read as markup
-        else:
-            cells.append(Text(text, justify="right"))
+        cells.append("-" if v is None else short_id(str(v), id_width) if key == "id" else formatter(v))
     return cells
 
 
-class SequencesTable(DataTable):
-    """The table itself; row keys are sequence ids. Enter opens the row's details (a click only selects)."""
+def draw_row(cells: list[str], widths: list[int], gap: int) -> Text:
+    """One line: each cell padded to its column (text left, numbers right); the state coloured.
+    The cells are plain text (a `[/x]` id is shown as typed)."""
+    line = Text()
+    for i, (key, cell, width) in enumerate(zip(COLUMNS, cells, widths)):
+        if i:
+            line.append(" " * gap)
+        padded = cell.ljust(width) if key in LEFT else cell.rjust(width)
+        line.append(padded, STATE_STYLES.get(cell, "") if key == "state" else "")
+    return line
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "select_cursor", "Details")]
+
+class SequencesTable(LinesStatic):
+    """The rows as lines of text: a header, then the rows that fit, the cursor's row reversed.
+    `ids` are the sequence ids in the order shown; the cursor is an index into them."""
+
+    can_focus = True
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "open", "Details"),
+        Binding("up", "move(-1)", "Up", show=False),
+        Binding("down", "move(1)", "Down", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "move(-1_000_000)", "First", show=False),
+        Binding("end", "move(1_000_000)", "Last", show=False),
+    ]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ids: list[str] = []
+        self.cursor_row = 0
+        self.top = 0  # the first row on screen
+        self.state: ViewState | None = None
+        self._cells: list[list[str]] = []
+        self._headers: list[str] = [h for h, _, _ in COLUMNS.values()]
+        self._widths: list[int] = []
+        self._gap = GAP
+
+    @property
+    def row_count(self) -> int:
+        return len(self.ids)
+
+    def cursor_id(self) -> str | None:
+        return self.ids[self.cursor_row] if self.ids else None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         stack = self.app.screen_stack  # empty while shutting down
         return bool(stack) and stack[-1] is self.screen  # under a dialog, the keys (and footer) are its
 
-    def action_select_cursor(self) -> None:
-        seq_id = self.cursor_id()
-        if seq_id is not None:
+    def set_rows(self, ids: list[str], cells: list[list[str]], state: ViewState) -> None:
+        """Show these rows; the cursor goes to the selected sequence, or stays where it was and
+        selects the row now under it (the selected one finished or was filtered out)."""
+        self.ids, self._cells, self.state = ids, cells, state
+        arrow = "↓" if state.sort_reverse else "↑"
+        self._headers = [f"{h}{arrow}" if key == state.sort else h for key, (h, _, _) in COLUMNS.items()]
+        self._widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(self._headers)]
+        if state.selected_seq in ids:
+            self.cursor_row = ids.index(state.selected_seq)
+        elif ids:
+            self.cursor_row = min(max(self.cursor_row, 0), len(ids) - 1)
+            self._select()
+        self.draw()
+
+    def move_cursor(self, row: int) -> None:
+        """Put the cursor on `row` (clamped to the rows there are) and select its sequence."""
+        if self.ids:
+            self.cursor_row = min(max(row, 0), len(self.ids) - 1)
+            self._select()
+            self.draw()
+
+    def _select(self) -> None:
+        """The view state learns the selection now, so that a frame drawn before the app has read
+        the message keeps this cursor; the message makes the block map follow."""
+        seq_id = self.ids[self.cursor_row]
+        if self.state is not None and self.state.selected_seq != seq_id:
+            self.state.selected_seq = seq_id
+            self.post_message(SequenceSelected(seq_id))
+
+    def draw(self) -> None:
+        width, height = self.size
+        if width <= 0 or height <= 0:
+            return  # not laid out yet: on_resize draws
+        shown = max(1, height - 1)
+        self.top = min(self.top, self.cursor_row)
+        self.top = max(self.top, self.cursor_row - shown + 1, 0)
+        self.top = max(0, min(self.top, len(self.ids) - shown))
+        need = sum(self._widths) + GAP * (len(self._widths) - 1)
+        self._gap = GAP if need <= width else 1
+        header = Text(" " * self._gap).join(
+            Text(h.ljust(w) if key in LEFT else h.rjust(w), "bold")
+            for key, h, w in zip(COLUMNS, self._headers, self._widths)
+        )
+        lines = [header]
+        for i in range(self.top, min(len(self.ids), self.top + shown)):
+            line = draw_row(self._cells[i], self._widths, self._gap)
+            if i == self.cursor_row:
+                line.truncate(width, pad=True)
+                line.stylize("reverse")
+            lines.append(line)
+        lines.extend(Text() for _ in range(1 + shown - len(lines)))  # as many lines each frame
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+        self.paint(Text("\n").join(lines))
+
+    def on_resize(self) -> None:
+        self.draw()
+
+    def action_move(self, step: int) -> None:
+        self.move_cursor(self.cursor_row + step)
+
+    def action_page(self, direction: int) -> None:
+        self.move_cursor(self.cursor_row + direction * max(1, self.size.height - 2))
+
+    def action_open(self) -> None:
+        if (seq_id := self.cursor_id()) is not None:
             self.post_message(SequenceOpened(seq_id))
 
-    def cursor_id(self) -> str | None:
-        if not self.row_count:
-            return None
-        return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
+    def on_click(self, event: events.Click) -> None:
+        """A header sorts by its column; a row selects it, and a click on the selected row opens it."""
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        if offset.y == 0:
+            x = 0
+            for key, w in zip(COLUMNS, self._widths):
+                if x <= offset.x < x + w + self._gap:
+                    self.post_message(SortChosen(key))
+                    return
+                x += w + self._gap
+            return
+        row = self.top + offset.y - 1
+        if row < len(self.ids):
+            if row == self.cursor_row:
+                self.action_open()
+            else:
+                self.move_cursor(row)
+
+    def on_mouse_scroll_down(self, event: events.MouseScrollDown) -> None:
+        event.stop()
+        self.action_move(3)
+
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        event.stop()
+        self.action_move(-3)
 
 
 class SequencesPanel(Vertical):
@@ -104,14 +230,9 @@ class SequencesPanel(Vertical):
         super().__init__(**kwargs)
         self.view: View | None = None
         self.border_title = "Sequences"
-        self._syncing = False
-        self._built: list[tuple[str, list[Text]]] | None = None  # the rows in the table now
 
     def compose(self) -> ComposeResult:
-        table = SequencesTable(cursor_type="row", zebra_stripes=False, id="seq-table")
-        for key, (header, _, _) in COLUMNS.items():
-            table.add_column(header, key=key)
-        yield table
+        yield SequencesTable(id="seq-table")
         yield Input(placeholder="filter by id or state (enter: keep, esc: clear)", id="seq-filter")
 
     def on_mount(self) -> None:
@@ -126,55 +247,18 @@ class SequencesPanel(Vertical):
         st = view.state
         all_seqs = view.frame.get("sequences", [])
         matching = visible(all_seqs, st.filter, st.sort, st.sort_reverse)
-        rows = matching[:MAX_ROWS]  # a table of 100,000 rows takes minutes to build: the top ones
-        table = self.table
-        scroll_y = table.scroll_y
+        rows = matching[:MAX_ROWS]  # the top ones: nobody reads 100,000 rows, and each costs
         id_width = min(40, max(ID_WIDTH, self.size.width - 78))  # wide panels show whole ids
-        self._syncing = True
-        try:
-            built = [(s["id"], row_cells(s, id_width)) for s in rows]
-            before, self._built = self._built, built
-            if before is not None and [k for k, _ in before] == [k for k, _ in built]:
-                # the same rows in the same order: only the cells that changed (a rebuild costs a
-                # new layout each frame, and an idle engine's table is not touched at all)
-                for (key, cells), (_, was) in zip(built, before):
-                    for column, cell, old in zip(COLUMNS, cells, was):
-                        if cell != old:
-                            table.update_cell(key, column, cell, update_width=True)
-            else:
-                table.clear()
-                for key, cells in built:
-                    table.add_row(*cells, key=key)
-            ids = [s["id"] for s in rows]
-            if st.selected_seq in ids:
-                table.move_cursor(row=ids.index(st.selected_seq), animate=False, scroll=False)
-            table.scroll_y = scroll_y
-        finally:
-            self._syncing = False
-        if rows and st.selected_seq not in ids:  # it finished or was filtered out: the row under the cursor
-            self.post_message(SequenceSelected(ids[min(max(table.cursor_row, 0), len(ids) - 1)]))
-        arrow = "↓" if st.sort_reverse else "↑"
+        self.table.set_rows([str(s.get("id")) for s in rows], [row_cells(s, id_width) for s in rows], st)
         shown = f"{len(rows)}" if len(rows) == len(all_seqs) else f"{len(rows)} of {len(all_seqs)}"
         if len(rows) < len(matching):
             shown = f"first {len(rows):,} of {len(matching):,}; … and {len(matching) - len(rows):,} more, / filters"
+        arrow = "↓" if st.sort_reverse else "↑"
         self.border_title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
         self.border_subtitle = Content(f"filter: {st.filter}") if st.filter else ""
 
-    @on(DataTable.RowHighlighted)
-    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
-        event.stop()
-        if not self._syncing and event.row_key.value is not None:
-            self.post_message(SequenceSelected(event.row_key.value))
-
-    @on(DataTable.HeaderSelected)
-    def _header(self, event: DataTable.HeaderSelected) -> None:
-        event.stop()
-        self.post_message(SortChosen(str(event.column_key.value)))
-
     def move_cursor(self, step: int) -> None:
-        table = self.table
-        if table.row_count:
-            table.move_cursor(row=min(max(table.cursor_row + step, 0), table.row_count - 1))
+        self.table.action_move(step)
 
     # ---- filter ---------------------------------------------------------------------------
     def open_filter(self) -> None:
