@@ -240,3 +240,21 @@ async def test_kvtop_replays_the_vllm_recording_with_its_kv_usage_and_no_block_m
         assert kv.splitlines()[0].endswith(fmt.pct(usage)) and "128 tok/block" in kv
         assert text(app.query_one(BlockMap).query_one("#block-grid")).strip() == "vLLM exposes no block map"
         await pilot.press("q")
+
+
+def test_a_file_that_appears_while_recording_is_kept_and_the_recording_goes_beside_it(vllm_pages, tmp_path):
+    url, served = vllm_pages
+    out = tmp_path / "race.kvsnap"
+    proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "2s", "--interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not served and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out.write_text("someone else's")
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert out.read_text() == "someone else's" and stdout.strip() == str(tmp_path / "race-1.kvsnap")
+    assert read_snapshot(tmp_path / "race-1.kvsnap").frames[-1]["engine"]["kind"] == "vllm"
