@@ -1,0 +1,214 @@
+"""The fleet screen (issue #15): 24 engines on loopback — recorded vLLM, SGLang and llama.cpp pages,
+one that hangs, one that drips, one that answers garbage — and a real Prometheus scraping two of
+them (`kvtop --prometheus`). The screen stays live while a round waits on the hanging one, the bad
+ones are marked, sorting works, Enter opens one engine's dashboard and Escape comes back."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from textual.widgets import DataTable
+
+from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.fleet_screen import FleetScreen
+from kvtop.dashboard.widgets.block_map import BlockMap
+from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.sort_picker import SortScreen
+from kvtop.fleet import Fleet
+from kvtop.fleet.poller import Row
+from kvtop.fleet.prometheus import PrometheusFleet
+from kvtop.sources.prometheus import delta, histogram_quantile, parse
+from tests.helpers import widget_text as text
+from tests.test_fleet import PAGES, Server, Targets
+
+SIZE = (160, 48)
+
+
+@pytest.fixture
+def base():
+    server = Server(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+async def until(pilot, condition, what: str, timeout: float = 30.0) -> float:
+    """Seconds it took for `condition` to hold."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if condition():
+            return time.monotonic() - t0
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def table_rows(screen: FleetScreen) -> list[Row]:
+    """The rows in the order the table shows them."""
+    table = screen.query_one(DataTable)
+    by_url = {r.url: r for r in screen.rows}
+    return [by_url[table.coordinate_to_cell_key((i, 0)).row_key.value] for i in range(table.row_count)]
+
+
+@pytest.mark.anyio
+async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(base):
+    good = [f"{base}/{kind}/{n}/metrics" for n in range(7) for kind in PAGES]  # 21 engines
+    bad = {f"{base}/hang": "slow", f"{base}/drip": "slow", f"{base}/garbage": "not metrics"}
+    fleet = Fleet([*good, *bad], timeout=1.5, interval=0.5)
+    app = KvtopApp(fleet=fleet, interval=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        assert isinstance(screen, FleetScreen)
+        await until(pilot, lambda: len(screen.rows) == 24 and screen.rows[0].state != "unreachable", "a round")
+        states = {r.url: r.state for r in screen.rows}
+        assert all(states[u] == "ok" for u in good), states
+        assert {u: states[u] for u in bad} == bad
+        header = text(screen.query_one("#fleet-header"))
+        assert "24 engines, 21 ok, 3 not ok" in header
+
+        # a round waits up to 2.5 s on the hanging targets: a key is answered long before that
+        took = []
+        for _ in range(3):
+            await pilot.press("o")
+            took.append(await until(pilot, lambda: isinstance(app.screen, SortScreen), "the sort picker", 5))
+            await pilot.press("escape")
+            await until(pilot, lambda: app.screen is screen, "the picker closing", 5)
+        assert max(took) < 2.0, took
+
+        # sort: `o`, then `waiting` (two below the current column, KV usage), enter
+        await pilot.press("o", "j", "j", "enter")
+        await until(pilot, lambda: screen.sort == "waiting", "sorting by waiting")
+        waiting = [r.waiting for r in table_rows(screen)]
+        known = [w for w in waiting if w is not None]
+        assert known == sorted(known, reverse=True) and waiting[len(known) :] == [None] * (24 - len(known))
+        assert table_rows(screen)[0].kind == "sglang"  # its page has 2826 waiting
+        await pilot.press("O")  # reversed: fewest waiting first, the bad (unknown) ones still last
+        assert [r.waiting for r in table_rows(screen)][: len(known)] == sorted(known)
+
+        # enter on the row under the cursor (it stayed on its engine through the sorts): its dashboard;
+        # escape: the fleet again, still polling
+        first = screen.selected()
+        assert first is not None and first.state == "ok"
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is app.base and app.source is not None, "the dashboard")
+        assert app.source.url == first.url
+        await until(pilot, lambda: app.source.current is not None, "the engine's frame")
+        await pilot.pause(0.3)
+        assert first.url in text(app.query_one(EngineHeader))
+        assert "esc: back to the fleet" in text(app.query_one(EngineHeader))
+        block_map = text(app.query_one(BlockMap).query_one("#block-grid"))
+        assert "exposes no block map" in block_map and len(block_map.strip().splitlines()) == 1
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is screen, "the fleet screen")
+        before = screen.polled_at
+        await until(pilot, lambda: screen.polled_at != before, "a new round")
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """A real Prometheus scraping three loopback targets every second: a recorded vLLM, a recorded
+    SGLang, and one that answers garbage. Yields (its URL, {job: the target's scrape URL})."""
+    if PROMETHEUS is None:
+        pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)")
+    servers, jobs = [], {}
+    for job, path in (("vllm", "/vllm/0/metrics"), ("sglang", "/sglang/0/metrics"), ("garbage", "/garbage")):
+        server = Server(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        jobs[job] = (f"127.0.0.1:{server.server_address[1]}", path)
+    config = "global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n" + "".join(
+        f"  - {{job_name: {job}, metrics_path: '{path}', static_configs: [{{targets: ['{target}']}}]}}\n"
+        for job, (target, path) in jobs.items()
+    )
+    (tmp_path / "prometheus.yml").write_text(config)
+    port = free_port()
+    with open(tmp_path / "prometheus.log", "w") as log:
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            time.sleep(0.1)
+        yield url, {job: f"http://{target}{path}" for job, (target, path) in jobs.items()}
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        for server in servers:
+            server.shutdown()
+
+
+def by_hand(page: str, earlier: str):
+    """What Prometheus should find for the vLLM target, computed from the two pages it scraped."""
+    from tests.test_fleet import FIXTURES
+
+    now, then = (parse((FIXTURES / p).read_text(), 0) for p in (page, earlier))
+    name = "vllm:time_to_first_token_seconds"
+    p99 = histogram_quantile(0.99, delta(now.buckets[name], then.buckets[name]))
+    return now, p99
+
+
+@pytest.mark.anyio
+async def test_the_fleet_from_a_real_prometheus(prometheus):
+    url, scraped = prometheus
+    fleet = PrometheusFleet(url, interval=0.5)
+    app = KvtopApp(fleet=fleet, interval=0.2)
+    page, p99 = by_hand(PAGES["vllm"], "vllm_real_t1.prom")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+
+        def row(job: str) -> Row | None:
+            return next((r for r in screen.rows if r.url == scraped[job]), None)
+
+        # two scrapes of each target (the vLLM one's first page, then its second) give the rates
+        await until(pilot, lambda: row("vllm") and row("vllm").ttft_p99 is not None, "two scrapes", 60)
+        await until(pilot, lambda: row("garbage") and row("garbage").state != "unreachable", "the garbage", 30)
+        vllm, sglang, garbage = row("vllm"), row("sglang"), row("garbage")
+        assert len(screen.rows) == 3
+        assert (vllm.state, vllm.kind, vllm.model, vllm.running) == ("ok", "vllm", "smollm2-135m", 8)
+        assert vllm.kv_usage == pytest.approx(page.values["vllm:kv_cache_usage_perc"])
+        assert vllm.ttft_p99 == pytest.approx(p99)  # histogram_quantile over rate(…[1m]): the same buckets
+        hits, queries = page.values["vllm:prefix_cache_hits_total"], page.values["vllm:prefix_cache_queries_total"]
+        assert vllm.prefix_hit_rate == pytest.approx(hits / queries)
+        assert (sglang.state, sglang.kind, sglang.waiting) == ("ok", "sglang", 2826)
+        assert garbage.state == "not metrics" and garbage.error
+        assert "engines scraped by Prometheus" in text(screen.query_one("#fleet-header"))
+
+        # enter on the vLLM row: its own /metrics, read by kvtop (the scrape URL Prometheus uses)
+        table = screen.query_one(DataTable)
+        table.move_cursor(row=table.get_row_index(scraped["vllm"]))
+        await pilot.press("enter")
+        await until(pilot, lambda: app.source is not None and app.source.current is not None, "the vLLM dashboard")
+        assert app.source.url == scraped["vllm"] and app.source.current["scheduler"]["running"] == 8
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is screen, "the fleet screen")
+
+
+def test_a_prometheus_that_is_not_there_is_one_row_saying_so():
+    fleet = PrometheusFleet(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    try:
+        rows = fleet.poll()
+    finally:
+        fleet.close()
+    assert len(rows) == 1 and rows[0].state == "unreachable" and rows[0].error.startswith("Prometheus: ConnectError")
