@@ -133,19 +133,8 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (`kvtop`, and `kvctl replay FILE` → main(["--replay", FILE]))."""
-    try:
-        code = cli(args=argv, prog_name="kvtop", standalone_mode=False)
-        if isinstance(code, int) and code:
-            sys.exit(code)
-    except typer.TyperException as exc:  # usage errors: one line, not typer's boxed panel
-        if exc.format_message():
-            print(f"kvtop: {exc.format_message()} (see kvtop --help)", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except OSError as exc:  # the terminal went away mid-write
-        print(f"kvtop: {exc}", file=sys.stderr)
-        sys.exit(1)
+    """Entry point (`kvtop`, and `kvctl replay FILE` → main(["--replay", FILE])): errors are one
+    line on stderr and an exit status, as kvctl's (kvtop.entry)."""
+    from kvtop.entry import run_cli
+
+    run_cli(cli, "kvtop", argv)
