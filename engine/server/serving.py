@@ -11,18 +11,27 @@ import hashlib
 import hmac
 import math
 import time
+import uuid
+from collections.abc import Callable
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from engine.errors import EngineDrainingError, InvalidRequestError
 from engine.metrics import RequestStats
+from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.bodies import read_request
+from engine.server.detokenize import TokenCursor
 from engine.server.jobs import Job
 from engine.server.loop import EngineLoop
 from engine.server.prompts import PromptBuilder
 from engine.server.protocol import APIError, _SamplingRequest
-from kvtop import __version__
+from engine.server.streaming import LogprobsFn
+from engine.version import __version__
+
+# (choice index, its finished output, its log-probs or None) -> the choice in the API's shape
+WholeChoice = Callable[[int, RequestOutput, dict | None], dict]
 
 
 class Serving:
@@ -40,6 +49,39 @@ class Serving:
 
     async def read(self, request: Request, model: type):
         return await read_request(request, model, self.loop.config.max_request_body, self.loop.config.read_timeout)
+
+    async def open(self, request: Request, model: type):
+        """The request's body, read and validated, for the model served here, asking nothing unsupported."""
+        req = await self.read(request, model)
+        self.check_model(req.model)
+        req.unsupported()
+        return req
+
+    def start(self, prefix: str, prompts: list[list[int]], params: list[SamplingParams], max_tokens: int) -> Job:
+        """The admitted job of `prompts` × `n` choices; its id is `prefix-<random>`."""
+        job = Job(self.loop, f"{prefix}-{uuid.uuid4().hex[:24]}", prompts, params, max_tokens == 0, self.stats)
+        self.admit(job)
+        return job
+
+    def header(self, job: Job, obj: str) -> dict:
+        """What every response (and every chunk) of the job opens with."""
+        return {"id": job.base_id, "object": obj, "created": int(time.time()), "model": self.served,
+                "system_fingerprint": self.fingerprint}  # fmt: skip
+
+    async def respond(self, request: Request, job: Job, base: dict, choice: WholeChoice, logprobs: LogprobsFn | None):
+        """The whole response once every choice has finished; a 499 if the client left first.
+        `logprobs` (when asked for) describes the tokens of each choice's returned text."""
+        if not await job.run_to_end(request):
+            return Response(status_code=499)
+        self.check_errors(job)
+        choices = []
+        for i, rid in enumerate(job.ids):
+            out = job.finished[rid]
+            lp = None
+            if logprobs is not None:
+                lp = logprobs(out, TokenCursor(self.engine.decode).take(out.token_ids, len(out.text or ""), True))
+            choices.append(choice(i, out, lp))
+        return {**base, "choices": choices, "usage": job.usage()}
 
     def require_key(self, request: Request) -> None:
         key = self.loop.config.api_key

@@ -1,8 +1,9 @@
 """Server-sent events that notice a client leaving, and the one loop both streaming APIs share.
 
-`stream_job` turns a job's outputs into chunks: per output it asks the route for the choice
-(text delta, log-probs, finish reason) and skips outputs that add nothing; it ends with the
-usage chunk when asked and `[DONE]`. Leaving early (the client went away) aborts the job.
+`stream_job` turns a job's outputs into chunks: per output it finds the text delta and (when
+asked) the log-probs of the tokens behind it, skips outputs that add nothing, and asks the route
+to shape the choice; it ends with the usage chunk when asked and `[DONE]`. Leaving early (the
+client went away) aborts the job.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 
 from engine.outputs import RequestOutput
-from engine.server.detokenize import IncrementalDetokenizer
+from engine.server.detokenize import IncrementalDetokenizer, TokenCursor
 from engine.server.jobs import Job
 from engine.server.protocol import _SamplingRequest
 
@@ -48,16 +49,25 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-# (choice index, its output, the text delta, characters of text handed out so far) -> a choice, or None
-ChoiceFn = Callable[[int, RequestOutput, str, int], dict | None]
+# (choice index, its output, the text delta, the delta's log-probs or None) -> the choice in the API's shape
+ChunkChoice = Callable[[int, RequestOutput, str, dict | None], dict]
+# (an output, the delta's tokens as (index, text, offset) items) -> the log-probs in the API's shape
+LogprobsFn = Callable[[RequestOutput, list[tuple[int, str, int]]], dict]
 
 
 async def stream_job(
-    job: Job, decode, base: dict, choice: ChoiceFn, req: _SamplingRequest, opening: Sequence[dict] = ()
+    job: Job,
+    decode,
+    base: dict,
+    choice: ChunkChoice,
+    req: _SamplingRequest,
+    opening: Sequence[dict] = (),
+    logprobs: LogprobsFn | None = None,
 ) -> AsyncIterator[str]:
     """With `stream_options.include_usage` every chunk carries `usage` (null, or with vLLM's
     `continuous_usage_stats` the usage so far) and a last chunk the totals; without it, none does."""
     detok = [IncrementalDetokenizer(decode, p.stop) for p in job.params]
+    cursors = [TokenCursor(decode) for _ in job.ids]
     generated = [0] * len(job.ids)
 
     def chunk(c: dict) -> str:
@@ -71,9 +81,12 @@ async def stream_job(
             i = job.index[out.request_id]
             delta = detok[i].update(out.token_ids, out.text if out.finished else None)
             generated[i] = len(out.token_ids)
-            c = choice(i, out, delta, detok[i].sent)
-            if c is not None:
-                yield chunk(c)
+            lp = None
+            if logprobs is not None:
+                items = cursors[i].take(out.token_ids, detok[i].sent, out.finished)
+                lp = logprobs(out, items) if items else None
+            if delta or out.finished or lp is not None:
+                yield chunk(choice(i, out, delta, lp))
         if req.include_usage:
             yield sse({**base, "choices": [], "usage": job.usage()})
         yield sse("[DONE]")
