@@ -1,0 +1,269 @@
+"""Our engine beside its peers on this machine: vLLM's CPU build and transformers' static `generate`.
+
+    .venv/bin/python benchmarks/peers.py                      # offline: fp32 and bf16, fixed and mixed workloads
+    .venv/bin/python benchmarks/peers.py --dtype float32 --workload fixed
+    .venv/bin/python benchmarks/peers.py --serving            # kvctl bench against kvctl serve, then vLLM's server
+    make bench-peers                                          # builds .venv-vllm and the model first
+
+Offline, the SAME prompts (token ids) go through each engine in turn, each in its own process, never
+two at once (two OpenMP processes on 2 cores ruin each other's figures), greedy, ignore_eos:
+  ours          engine.LLM, attention backend `cpu` (the C++ paged attention)
+  vllm          vLLM's CPU build (`.venv-vllm`, `make vllm`), `LLM.generate` on `TokensPrompt`s
+  transformers  `generate` on one left-padded static batch of all the prompts
+Workloads: fixed, 64 prompts × 256 random token ids × 128 output tokens; mixed, the fixed workload of
+`throughput.py` (64 prompts of 32–512 tokens × 128 output tokens). Each engine runs a 4-prompt warm-up
+first. Reported: output tok/s (wall) and output tokens per CPU-second of the engine's process tree
+(vLLM's engine core included), which moves less than wall time when others share the machine, and
+how many requests' first 16 tokens equal ours (a check that the same weights and prompts went in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS_PY = ROOT / ".venv" / "bin" / "python"
+ENGINES = ("ours", "vllm", "transformers")
+AGREE_TOKENS = 16
+SERVING_LOAD = "--num-prompts 32 --input-len 256 --output-len 128 --max-concurrency 16 --seed 0"
+
+
+def vllm_python() -> Path | None:
+    """The python of the venv `make vllm` installed ($KVTOP_VLLM_VENV, $KVTOP_CACHE/venv-vllm, or an older
+    checkout's .venv-vllm), or None."""
+    from engine.paths import cache_dir
+
+    for venv in (os.environ.get("KVTOP_VLLM_VENV"), cache_dir() / "venv-vllm", ROOT / ".venv-vllm"):
+        if venv and (Path(venv) / ".installed").exists():
+            return Path(venv) / "bin" / "python"
+    return None
+
+
+def vllm_env(kv_gib: int) -> dict[str, str]:
+    """vLLM's CPU build: both cores (its default reserves one), no AOT recompile at start, no network."""
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_USE_AOT_COMPILE": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
+
+
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process and all its descendants alive now."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+# ---- workers: one engine, one dtype, every workload; run in that engine's venv ---------------
+def timed(generate, prompts, out_lens) -> dict:
+    c0, t0 = tree_cpu_seconds(), time.perf_counter()
+    tokens = generate(prompts, out_lens)
+    wall, cpu = time.perf_counter() - t0, tree_cpu_seconds() - c0
+    assert [len(t) for t in tokens] == out_lens, "an engine stopped early despite ignore_eos"
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "load_after": os.getloadavg()[0]}
+
+
+def ours_generator(spec: dict):
+    from engine import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", dtype=spec["dtype"], kv_cache_memory=f"{spec['kv_gib']}GiB",
+              attention_backend=spec["attention_backend"], quiet=True)  # fmt: skip
+
+    def generate(prompts, out_lens):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    return generate, {"attention_backend": llm.stats()["engine"]["attention_backend"]}
+
+
+def vllm_generator(spec: dict):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=1024, seed=0,
+              enforce_eager=spec["enforce_eager"])  # fmt: skip
+
+    def generate(prompts, out_lens):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    import vllm
+
+    return generate, {"vllm": vllm.__version__, "enforce_eager": spec["enforce_eager"]}
+
+
+def transformers_generator(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=getattr(torch, spec["dtype"])).eval()
+
+    def generate(prompts, out_lens):
+        width, new = max(map(len, prompts)), max(out_lens)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)  # fmt: skip
+        return [row[width : width + m] for row, m in zip(out.tolist(), out_lens, strict=True)]
+
+    return generate, {"threads": torch.get_num_threads()}
+
+
+def worker(kind: str, spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    generate, info = {"ours": ours_generator, "vllm": vllm_generator, "transformers": transformers_generator}[kind](
+        spec
+    )
+    result = {"engine": kind, "dtype": spec["dtype"], "info": info, "start_s": time.perf_counter() - t0}
+    timed(generate, *spec["warmup"])
+    result["runs"] = {name: timed(generate, *w) for name, w in spec["workloads"].items()}
+    Path(out_path).write_text(json.dumps(result))
+
+
+# ---- the driver --------------------------------------------------------------------------------
+def workloads(names: list[str], n: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    import random
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import workload
+
+    out = {}
+    if "fixed" in names:
+        rng = random.Random(13)
+        out["fixed"] = ([[rng.randrange(100, 49000) for _ in range(256)] for _ in range(n)], [128] * n)
+    if "mixed" in names:
+        out["mixed"] = workload("fixed", n)
+    return out
+
+
+def run_worker(kind: str, spec: dict, timeout: float) -> dict:
+    """One engine in its own process; its result, or the reason it has none."""
+    py = vllm_python() if kind == "vllm" else OURS_PY
+    env = vllm_env(spec["kv_gib"]) if kind == "vllm" else dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        spec_path, out_path, log_path = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "log")
+        spec_path.write_text(json.dumps(spec))
+        load_before = os.getloadavg()[0]
+        cmd = [str(py), __file__, "--worker", kind, "--spec", str(spec_path), "--out", str(out_path)]
+        with open(log_path, "w") as log:
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0 or not out_path.exists():
+            tail = log_path.read_text(errors="replace")[-2000:]
+            return {"engine": kind, "dtype": spec["dtype"], "error": f"exit {rc}: {tail}"}
+        result = json.loads(out_path.read_text())
+    result["load_before"] = load_before
+    return result
+
+
+def agreement(ours: list[list[int]], other: list[list[int]]) -> int:
+    return sum(a[:AGREE_TOKENS] == b[:AGREE_TOKENS] for a, b in zip(ours, other, strict=True))
+
+
+def print_table(results: list[dict]) -> None:
+    head = f"{'dtype':9} {'workload':8} {'engine':13} {'tok/s':>8} {'tok/CPU-s':>10} {'ours/x':>7} "
+    print("\n" + head + f"{'ours/x CPU':>10} {'load':>9} {'first ' + str(AGREE_TOKENS) + ' = ours':>14}")
+    for dtype in dict.fromkeys(r["dtype"] for r in results):
+        rows = [r for r in results if r["dtype"] == dtype]
+        ours = next((r for r in rows if r["engine"] == "ours" and "runs" in r), None)
+        for name in dict.fromkeys(n for r in rows for n in r.get("runs", {})):
+            for r in rows:
+                if "error" in r:
+                    print(f"{dtype:9} {name:8} {r['engine']:13} failed: {r['error'].splitlines()[-1][:80]}")
+                    continue
+                run, n_tok = r["runs"][name], sum(len(t) for t in r["runs"][name]["tokens"])
+                tps, tpc = n_tok / run["wall_s"], n_tok / run["cpu_s"]
+                line = f"{dtype:9} {name:8} {r['engine']:13} {tps:8.1f} {tpc:10.1f} "
+                if ours and r is not ours:
+                    o = ours["runs"][name]
+                    o_tps, o_tpc = n_tok / o["wall_s"], n_tok / o["cpu_s"]
+                    same = agreement(o["tokens"], run["tokens"])
+                    line += f"{o_tps / tps:6.2f}x {o_tpc / tpc:9.2f}x "
+                    line += f"{r['load_before']:4.1f}/{run['load_after']:<4.1f} {same:>6}/{len(run['tokens'])}"
+                else:
+                    line += f"{'':7} {'':10} {r.get('load_before', 0):4.1f}/{run['load_after']:<4.1f}"
+                print(line)
+    print("tok/s: output tokens per wall second; tok/CPU-s: per CPU-second of the engine's process tree;")
+    print("ours/x: our figure over that engine's; load: 1-min load average before the engine started/after the run")
+
+
+def offline(args) -> list[dict]:
+    from engine.model.loader import resolve_model_dir
+
+    model_dir = str(resolve_model_dir("smollm2-135m"))
+    loads = workloads(args.workload, args.num_prompts)
+    if args.output_len != 128:
+        loads = {k: (p, [args.output_len] * len(p)) for k, (p, _) in loads.items()}
+    warm = workloads(["fixed"], 4)["fixed"]
+    results = []
+    for dtype in args.dtype:
+        for kind in args.engines:
+            if kind == "vllm" and vllm_python() is None:
+                results.append({"engine": kind, "dtype": dtype, "error": "no .venv-vllm: run `make vllm`"})
+                continue
+            spec = {"dtype": dtype, "model_dir": model_dir, "kv_gib": args.kv_gib, "workloads": loads,
+                    "warmup": (warm[0], [8] * 4), "attention_backend": args.attention_backend,
+                    "enforce_eager": args.enforce_eager}  # fmt: skip
+            print(f"{dtype} {kind}: running ({', '.join(loads)})…", file=sys.stderr, flush=True)
+            r = run_worker(kind, spec, args.timeout)
+            results.append(r)
+            print(f"  {'failed: ' + r['error'][-300:] if 'error' in r else 'done'}", file=sys.stderr, flush=True)
+    print_table(results)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    ap.add_argument("--workload", default="fixed,mixed", help="comma-separated: fixed,mixed")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: ours,vllm,transformers")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-gib", type=int, default=3, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--attention-backend", default="cpu", help="ours: cpu (default), reference, auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds for one engine's process")
+    ap.add_argument("--serving", action="store_true", help="kvctl bench against kvctl serve, then vLLM's server")
+    ap.add_argument("--serving-load", default=SERVING_LOAD, help=f"kvctl bench options (default: {SERVING_LOAD})")
+    ap.add_argument("--json", dest="json_path", help="write every figure here")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.spec, args.out)
+    args.dtype, args.workload, args.engines = (s.split(",") for s in (args.dtype, args.workload, args.engines))
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    if args.serving:
+        from serving_peers import serving
+
+        results = serving(args)
+    else:
+        results = offline(args)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
