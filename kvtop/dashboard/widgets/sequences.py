@@ -155,7 +155,7 @@ class SequencesTable(LinesStatic):
             self.post_message(SequenceSelected(seq_id))
 
     def draw(self) -> None:
-        width, height = self.size
+        width, height = self.content_size
         if width <= 0 or height <= 0:
             return  # not laid out yet: on_resize draws
         shown = max(1, height - 1)
@@ -187,7 +187,7 @@ class SequencesTable(LinesStatic):
         self.move_cursor(self.cursor_row + step)
 
     def action_page(self, direction: int) -> None:
-        self.move_cursor(self.cursor_row + direction * max(1, self.size.height - 2))
+        self.move_cursor(self.cursor_row + direction * max(1, self.content_size.height - 2))
 
     def action_open(self) -> None:
         if (seq_id := self.cursor_id()) is not None:
