@@ -18,7 +18,7 @@ from textual.content import Content
 
 from kvtop.blocks import summarise  # the fold kvctl status uses too: a range reads the same on both
 from kvtop.dashboard.widgets import fmt
-from kvtop.dashboard.widgets.view import LinesStatic, View
+from kvtop.dashboard.widgets.view import LinesStatic, View, set_border
 
 
 def legend() -> Text:
@@ -94,9 +94,9 @@ class BlockMap(VerticalScroll):
             out.append(Text(f"── CPU tier: {len(host)} blocks ──", "bold"))
             out.extend(render_cells(host, self.per_cell, width, set()))
         scale = "1 block per cell" if self.per_cell == 1 else f"1 cell = {self.per_cell} blocks"
-        self.border_title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
         sel = f"{view.state.selected_seq}: {len(highlight)} blocks" if highlight else ""
-        self.border_subtitle = Content(sel)  # the id is a client's or a file's: never markup
+        title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
+        set_border(self, title, Content(sel))  # the id is a client's or a file's: never markup
         self.query_one("#block-grid", LinesStatic).paint(fmt.lines(out), layout=True)
 
     def zoom(self, direction: int) -> None:

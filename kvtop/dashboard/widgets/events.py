@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from rich.text import Text
 
 from kvtop.dashboard.widgets import fmt
-from kvtop.dashboard.widgets.view import Panel, View
+from kvtop.dashboard.widgets.view import Panel, View, set_border
 from kvtop.sources import BURSTY_EVENTS, NOTABLE_EVENTS
 
 BURST_GAP_S = 5.0
@@ -83,7 +83,7 @@ class EventsPanel(Panel):
     def draw(self, view: View, width: int, height: int) -> Text:
         verbose = view.state.verbose_events
         events = [e for e in view.events if verbose or e.get("kind") in NOTABLE_EVENTS]
-        self.border_title = f"Events ({'all' if verbose else 'notable'}; v toggles)"
+        set_border(self, f"Events ({'all' if verbose else 'notable'}; v toggles)")
         if not events:
             return fmt.lines([Text("no notable events yet" if not verbose else "no events yet", "dim italic")])
         now = view.frame.get("ts", 0)

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from rich.text import Text
 
 from kvtop.dashboard.widgets import fmt, series
-from kvtop.dashboard.widgets.view import Panel, View
+from kvtop.dashboard.widgets.view import Panel, View, set_border
 
 METRICS = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e"), ("queue", "queue"))
 MARGIN = 6
@@ -130,6 +130,6 @@ class LatencyPanel(Panel):
                 marks = {k: marks.get(k) for k, _ in P_STYLES}
                 block += histogram(counts, list(s.get("buckets") or []), marks, width, per - 2)
             rows += block[:per]
-        self.border_title = f"Latency · bars: {which} (w toggles)"
-        self.border_subtitle = "▲ P50 P95 P99 buckets" if per >= 4 else "reversed: P50 P95 P99 buckets"
+        subtitle = "▲ P50 P95 P99 buckets" if per >= 4 else "reversed: P50 P95 P99 buckets"
+        set_border(self, f"Latency · bars: {which} (w toggles)", subtitle)  # a set repaints the panel whole
         return fmt.lines(rows, height)

@@ -24,7 +24,7 @@ from textual.widgets import Input
 
 from kvtop.dashboard.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
 from kvtop.dashboard.widgets import fmt
-from kvtop.dashboard.widgets.view import SORT_COLUMNS, LinesStatic, View, ViewState
+from kvtop.dashboard.widgets.view import SORT_COLUMNS, LinesStatic, View, ViewState, set_border
 
 ID_WIDTH = 12
 MAX_ROWS = 500  # rows kept, in the chosen order; the title says how many more there are
@@ -254,8 +254,8 @@ class SequencesPanel(Vertical):
         if len(rows) < len(matching):
             shown = f"first {len(rows):,} of {len(matching):,}; … and {len(matching) - len(rows):,} more, / filters"
         arrow = "↓" if st.sort_reverse else "↑"
-        self.border_title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
-        self.border_subtitle = Content(f"filter: {st.filter}") if st.filter else ""
+        title = f"Sequences ({shown}) · sort {COLUMNS[st.sort][0]} {arrow}"
+        set_border(self, title, Content(f"filter: {st.filter}") if st.filter else "")
 
     def move_cursor(self, step: int) -> None:
         self.table.action_move(step)

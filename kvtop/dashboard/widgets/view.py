@@ -12,7 +12,9 @@ from typing import Self
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual.content import Content
 from textual.geometry import Region
+from textual.widget import Widget
 from textual.widgets import Static
 
 SORT_COLUMNS = ("id", "state", "prompt", "output", "cached", "blocks", "kv", "age", "ttft", "itl")
@@ -35,6 +37,15 @@ class View:
     history: list[dict]  # frames up to and including `frame`, oldest first
     events: list[dict]  # events up to the frame, oldest first
     state: ViewState = field(default_factory=ViewState)
+
+
+def set_border(widget: Widget, title: str | Content | None = None, subtitle: str | Content | None = None) -> None:
+    """Set a border title and subtitle (None: leave it), only where it changes: Textual repaints
+    the whole widget on every set, so a panel setting its title each frame was drawn whole each
+    frame. A str is markup, as for `border_title`; ids and file names go in as `Content`."""
+    for name, value in (("border_title", title), ("border_subtitle", subtitle)):
+        if value is not None and getattr(widget, name) != widget.render_str(value).markup:
+            setattr(widget, name, value)
 
 
 class LinesStatic(Static):
