@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from textual.widgets import Input
 
 from kvtop.dashboard.app import KvtopApp, main
 from kvtop.dashboard.widgets import fmt
@@ -21,14 +22,16 @@ from kvtop.dashboard.widgets.help import HelpScreen
 from kvtop.dashboard.widgets.kv_panel import KVPanel
 from kvtop.dashboard.widgets.latency import LatencyPanel
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.fleet import Fleet
+from kvtop.sources import ReplaySource
 from kvtop.sources.metrics import MetricsSource
 from tests.helpers import widget_text as text
 from tests.server_harness import start_server
 from tests.test_fleet import Server, Targets
 
 SIZE = (160, 48)
-ACTION_KEYS = ("d", "r", "e", "E", "s")
+ACTION_KEYS = ("d", "r", "e", "E")  # drain, resume, evict a sequence, evict the prefix cache
 
 
 @pytest.fixture
@@ -61,16 +64,16 @@ def notes(app: KvtopApp, panel) -> str:
 
 
 async def no_action_answers(pilot, app: KvtopApp) -> None:
-    """Neither the footer nor the keys offer drain, resume, evict or snapshot."""
+    """Neither the footer nor the keys offer drain, resume or evict (`s` records on kvtop's side)."""
     offered = {key for key, b in app.active_bindings.items() if b.enabled}
-    assert not offered & {"d", "r", "e", "E", "s"}, offered
+    assert not offered & set(ACTION_KEYS), offered
     for key in ACTION_KEYS:
         await pilot.press(key)
         await pilot.pause(0.1)
         assert app.screen is app.base, f"{key} opened {type(app.screen).__name__}"
     await pilot.press("question_mark")
     await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
-    assert "Actions" not in str(app.screen.groups) and "no controls" in app.screen.mode
+    assert [name for name, _ in app.screen.groups] == ["View", "Record"] and "no controls" in app.screen.mode
     await pilot.press("escape")
 
 
@@ -102,7 +105,7 @@ async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_k
 
 
 @pytest.mark.anyio
-async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(base):
+async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(base, tmp_path: Path):
     app = KvtopApp(MetricsSource(f"{base}/vllm/0/metrics", interval=0.2))
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.source.current and app.source.current["throughput"], "two scrapes")
@@ -115,6 +118,24 @@ async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(bas
         assert figure(kv, "used") == "–"  # vLLM does not say: a dash, never 0
         assert "smollm2-135m" in text(app.query_one(EngineHeader))
         await no_action_answers(pilot, app)
+
+        # `s`: kvtop writes the frames it read as a .kvsnap, which replays as vLLM's
+        await pilot.press("space")  # paused: the frames on hand stop changing
+        await pilot.press("s")
+        await until(pilot, lambda: isinstance(app.screen, SnapshotScreen), "the snapshot dialog")
+        assert "kvtop writes the" in text(app.screen.query_one(".dialog-body"))
+        app.screen.query_one(Input).value = str(tmp_path / "vllm.kvsnap")
+        await pilot.press("enter")
+        await until(pilot, lambda: (tmp_path / "vllm.kvsnap").exists(), "the snapshot file")
+        shown = app.source.history()
+    replay = ReplaySource.open(tmp_path / "vllm.kvsnap")
+    try:
+        assert len(replay.frames) == len(shown) >= 2
+        last = replay.frames[len(replay.frames) - 1]
+        assert last["engine"]["kind"] == "vllm" and last["kv"]["usage"] == shown[-1]["kv"]["usage"]
+        assert "blocks" not in last["kv"]  # absent stays absent
+    finally:
+        replay.close()
 
 
 def run_cli(monkeypatch, *argv: str) -> KvtopApp:

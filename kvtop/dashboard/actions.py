@@ -2,9 +2,12 @@
 `push_screen`).
 
 `OperatorActions`, on a live engine: drain, resume, evict a sequence, evict the prefix cache,
-snapshot. Each opens a dialog that says exactly what will happen, with the numbers of the moment;
+snapshot (on an engine read through `/metrics`, which has no controls, `s` records the frames
+kvtop has read into a .kvsnap itself: kvtop/sources/recorder.py). Each opens a dialog that says exactly what will happen, with the numbers of the moment;
 destructive ones start on Cancel and need `y`. If confirmed, the request goes through
 `EngineClient` in a worker thread and a notification says how it went.
+
+`ReplayActions`, on a replay: step, skip, jump, speed.
 
 `SequenceActions`, on the sequences table: filter, j/k, details, sort. Notifications never read
 sequence ids or engine errors as markup.
@@ -24,12 +27,19 @@ from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.confirm import ConfirmScreen
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.drain_dialog import DrainRequest, DrainScreen
+from kvtop.dashboard.widgets.jump_dialog import JumpScreen
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import COLUMNS, SequencesPanel
 from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.dashboard.widgets.view import View, ViewState
-from kvtop.sources import FrameSource, LiveSource
+from kvtop.sources import FrameSource, ReplaySource
+
+RECORD_BODY = (
+    "kvtop writes the {frames} frames it has read from this engine's /metrics (the last\n"
+    "minutes) to this file, in the engine's snapshot format (SQLite, .kvsnap). The\n"
+    "engine is not asked anything. Replay it with `kvtop --replay FILE`."
+)
 
 
 class OperatorActions:
@@ -85,18 +95,38 @@ class OperatorActions:
         path = Path.cwd() / f"kvtop-{time.strftime('%Y%m%d-%H%M%S')}.kvsnap"
 
         def done(chosen: str | None) -> None:
-            if chosen:
-                target = str(Path(chosen).expanduser().resolve())
+            if not chosen:
+                return
+            target = str(Path(chosen).expanduser().resolve())
+            if self.source.controls:
                 self._act("snapshot", lambda s: s.snapshot(target, "operator (kvtop)"), "snapshot written")
+            else:
+                self._record(target)
 
-        self.push_screen(SnapshotScreen(str(path)), done)
+        if self.source.controls:
+            self.push_screen(SnapshotScreen(str(path)), done)
+            return
+        frames = len(self.source.history())
+        self.push_screen(SnapshotScreen(str(path), RECORD_BODY.format(frames=frames)), done)
 
     def _confirm(self, title: str, body: str, yes: str, then: Callable[[], None]) -> None:
         self.push_screen(ConfirmScreen(title, body, yes), lambda ok: then() if ok else None)
 
     @work(thread=True, group="action", exit_on_error=False)
-    def _act(self, name: str, call: Callable[[LiveSource], dict], done: str) -> None:
-        assert isinstance(self.source, LiveSource)
+    def _record(self, target: str) -> None:
+        """The frames kvtop holds (the last minutes it read), written on this side."""
+        from kvtop.sources.recorder import record_frames, source_meta
+
+        try:
+            path = record_frames(self.source.history(), target, source_meta(self.source, "operator (kvtop)"))
+        except Exception as exc:
+            self.post_message(ActionFinished("snapshot", False, str(exc)))
+            return
+        self.post_message(ActionFinished("snapshot", True, f"{len(self.source.history())} frames recorded: {path}"))
+
+    @work(thread=True, group="action", exit_on_error=False)
+    def _act(self, name: str, call: Callable[[FrameSource], dict], done: str) -> None:
+        assert self.source.controls, "an engine action on a source without controls"
         try:
             result = call(self.source)
         except Exception as exc:
@@ -176,3 +206,40 @@ class SequenceActions:
     def on_filter_changed(self, message: FilterChanged) -> None:
         self.state.filter = message.text
         self._redraw_one(SequencesPanel)
+
+
+class ReplayActions:
+    """On a replay (a source that `can_seek`): step, skip, start, end, speed, jump."""
+
+    replay: ReplaySource | None
+
+    def _moved(self, move: Callable[[ReplaySource], object]) -> None:
+        if self.replay:
+            move(self.replay)
+            self.redraw()
+
+    def action_step(self, n: int) -> None:
+        self._moved(lambda r: r.step(n))
+
+    def action_skip(self, seconds: float) -> None:
+        self._moved(lambda r: r.skip(seconds))
+
+    def action_start(self) -> None:
+        self._moved(ReplaySource.start)
+
+    def action_end(self) -> None:
+        self._moved(ReplaySource.end)
+
+    def action_speed(self, direction: int) -> None:
+        self._moved(lambda r: r.faster() if direction > 0 else r.slower())
+
+    def action_jump(self) -> None:
+        replay = self.replay
+        if replay is None:
+            return
+
+        def done(offset: float | None) -> None:
+            if offset is not None:
+                self._moved(lambda r: r.seek(offset))
+
+        self.push_screen(JumpScreen(replay.end_ts - replay.start_ts), done)

@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import ClassVar, cast
 
 from rich.text import Text
@@ -26,7 +25,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input
 
 from kvtop.dashboard import absent
-from kvtop.dashboard.actions import OperatorActions, SequenceActions
+from kvtop.dashboard.actions import OperatorActions, ReplayActions, SequenceActions
 from kvtop.dashboard.fleet_screen import FleetPoller, FleetScreen
 from kvtop.dashboard.keys import (
     DASHBOARD_ACTIONS,
@@ -34,6 +33,7 @@ from kvtop.dashboard.keys import (
     FLEET_KEYS,
     LIVE_ACTIONS,
     LIVE_KEYS,
+    RECORD_KEY,
     REPLAY_ACTIONS,
     REPLAY_KEYS,
     VIEW_KEYS,
@@ -44,7 +44,6 @@ from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.header import EngineHeader
 from kvtop.dashboard.widgets.help import HelpScreen
-from kvtop.dashboard.widgets.jump_dialog import JumpScreen
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import SequencesTable
 from kvtop.dashboard.widgets.timeline import Timeline
@@ -53,7 +52,7 @@ from kvtop.sources import FrameSource, ReplaySource, SourceUnavailable
 from kvtop.sources.metrics import MetricsSource
 
 
-class KvtopApp(OperatorActions, SequenceActions, App[int]):
+class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"
     ENABLE_COMMAND_PALETTE = False  # every command is a key; the footer needs the room
@@ -94,6 +93,11 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
     @property
     def can_act(self) -> bool:
         return self.source is not None and self.source.controls and not self.readonly
+
+    @property
+    def can_record(self) -> bool:
+        """`s` writes the frames read so far on this side (an engine without controls, e.g. vLLM)."""
+        return self.source is not None and self.source.can_record and not self.readonly
 
     @property
     def in_fleet(self) -> bool:
@@ -295,6 +299,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
             return self.fleet is not None and not self.in_fleet and not self.typing and not self.filtering
         if action in DASHBOARD_ACTIONS and self.in_fleet:
             return False  # the fleet screen's own keys answer there
+        if action == "snapshot" and self.can_record:
+            return not self.typing
         if action in LIVE_ACTIONS and not self.can_act:
             return False
         if action in REPLAY_ACTIONS and self.replay is None:
@@ -312,6 +318,8 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
         groups = [("View", view_keys)]
         if self.can_act:
             groups.append(("Actions (each asks first)", LIVE_KEYS))
+        elif self.can_record:
+            groups.append(("Record", [RECORD_KEY]))
         if self.replay:
             groups.append(("Replay", REPLAY_KEYS))
         if self.fleet is not None:
@@ -350,38 +358,6 @@ class KvtopApp(OperatorActions, SequenceActions, App[int]):
     def _selected(self, message: SequenceSelected) -> None:
         """The sequences table moved its cursor (it set `state.selected_seq` as it did): the map follows."""
         self._redraw_one(BlockMap)
-
-    # ---- replay ----------------------------------------------------------------------------
-    def _moved(self, move: Callable[[ReplaySource], object]) -> None:
-        if self.replay:
-            move(self.replay)
-            self.redraw()
-
-    def action_step(self, n: int) -> None:
-        self._moved(lambda r: r.step(n))
-
-    def action_skip(self, seconds: float) -> None:
-        self._moved(lambda r: r.skip(seconds))
-
-    def action_start(self) -> None:
-        self._moved(ReplaySource.start)
-
-    def action_end(self) -> None:
-        self._moved(ReplaySource.end)
-
-    def action_speed(self, direction: int) -> None:
-        self._moved(lambda r: r.faster() if direction > 0 else r.slower())
-
-    def action_jump(self) -> None:
-        replay = self.replay
-        if replay is None:
-            return
-
-        def done(offset: float | None) -> None:
-            if offset is not None:
-                self._moved(lambda r: r.seek(offset))
-
-        self.push_screen(JumpScreen(replay.end_ts - replay.start_ts), done)
 
 
 # the command line lives in kvtop.dashboard.cli; `kvtop.dashboard.app:main` stays the entry point

@@ -68,6 +68,8 @@ REPLAY_KEYS = [
     Binding("plus", "speed(1)", "Faster", show=False, tooltip="play faster (×0.25 … ×16)"),
     Binding("minus", "speed(-1)", "Slower", show=False, tooltip="play slower"),
 ]
+# an engine without controls (another engine's /metrics): `s` records the frames kvtop read, on this side
+RECORD_KEY = Binding("s", "snapshot", "Record", tooltip="write the frames read so far as a .kvsnap (kvtop writes it)")
 # a dashboard opened from the fleet screen (Enter on a row): escape goes back (after the filter's and dialogs' own)
 FLEET_KEYS = [Binding("escape", "fleet", "Fleet", priority=True, tooltip="back to the fleet of engines")]
 LIVE_ACTIONS = {b.action for b in LIVE_KEYS}

@@ -33,6 +33,7 @@ class FrameSource(ABC):
     kind = ""  # where frames come from: "socket", "metrics" or "replay" (the frame's source.kind)
     controls = False  # the engine takes drain, resume, evict and snapshot through this source
     can_seek = False  # frames can be stepped, skipped and jumped to (a recording)
+    can_record = False  # `s` writes the frames read so far as a .kvsnap on this side (no engine control needed)
     path: object = ""  # what the header names: a socket path, a URL, a file
     interval = 1.0
 

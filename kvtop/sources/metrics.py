@@ -137,6 +137,7 @@ class MetricsSource(FrameSource):
     """Frames scraped from an engine's `/metrics`, every `interval` seconds."""
 
     kind = "metrics"  # no controls: no engine but ours has one kvtop can call, and ours is reached by socket
+    can_record = True  # kvtop/sources/recorder.py writes what was scraped as a .kvsnap
 
     def __init__(
         self,

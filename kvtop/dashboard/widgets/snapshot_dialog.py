@@ -18,19 +18,20 @@ class SnapshotScreen(FormScreen[str | None]):
     AUTO_FOCUS = "#snapshot-path"
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, path: str) -> None:
+    BODY = (
+        "The engine writes its flight recorder (the last minutes of stats frames), its\n"
+        "events, the sequences and the block table to this file (SQLite, .kvsnap),\n"
+        "atomically. Nothing else changes. Replay it with `kvtop --replay FILE`."
+    )
+
+    def __init__(self, path: str, body: str = BODY) -> None:
         super().__init__(classes="dialog-screen")
-        self.path = path
+        self.path, self.body = path, body  # body: what writes the file (kvtop itself for a /metrics engine)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog") as box:
             box.border_title = "Take a snapshot?"
-            yield Static(
-                "The engine writes its flight recorder (the last minutes of stats frames), its\n"
-                "events, the sequences and the block table to this file (SQLite, .kvsnap),\n"
-                "atomically. Nothing else changes. Replay it with `kvtop --replay FILE`.",
-                classes="dialog-body",
-            )
+            yield Static(self.body, classes="dialog-body")
             yield Input(self.path, id="snapshot-path")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Snapshot (enter)", variant="primary", id="yes")
