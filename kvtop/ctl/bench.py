@@ -21,6 +21,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from engine.server import metrics as metric_names  # the one place every kvtop_ metric is named
+from kvtop.ctl.openai_client import stream
+
 _WORDS_TEXT = """
     the of and to in is that for it as was with be by on not he this are or his from at which but
     have an they you were her all she there would their we him been has when who will more no if out
@@ -129,61 +132,25 @@ def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> l
 async def _one(
     client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, ignore_eos: bool, headers: dict
 ) -> RequestResult:
-    body = {
-        "model": model,
-        "prompt": req.prompt,
-        "max_tokens": req.max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0}
     if ignore_eos:
         body["ignore_eos"] = True
-    res = RequestResult(ok=False)
-    start = time.perf_counter()
-    last = start
-    chunks = 0
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                try:
-                    res.error = f"HTTP {r.status_code}: {json.loads(text)['error']['message']}"
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    res.error = f"HTTP {r.status_code}: {text[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("usage"):
-                    res.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = obj["usage"].get("completion_tokens", 0)
-                choices = obj.get("choices") or []
-                if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft is None:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-                    chunks += 1
-        res.e2e = time.perf_counter() - start
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = res.ttft is not None
-        if not res.ok:
-            res.error = "no tokens received"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
+    answer = await stream(client, url, body, headers)
+    usage = answer.usage or {}
+    res = RequestResult(ok=answer.error is None and answer.ttft is not None, ttft=answer.ttft, e2e=answer.e2e,
+                        itls=answer.itls, error=answer.error, prompt_tokens=usage.get("prompt_tokens", 0),
+                        output_tokens=usage.get("completion_tokens", 0) or answer.chunks)  # fmt: skip
+    if answer.error is None and answer.ttft is None:
+        res.error = "no tokens received"
     return res
 
 
 # ---- the server's own view ------------------------------------------------------------------
-KV_USAGE = "kvtop_kv_cache_usage_perc"
-KV_PEAK = "kvtop_kv_cache_peak_usage_perc"  # since the server started
+KV_USAGE = metric_names.KV_CACHE_USAGE
+KV_PEAK = metric_names.KV_CACHE_PEAK_USAGE  # since the server started
+PREFIX_QUERIES = metric_names.PREFIX_CACHE_QUERIES + "_total"  # counters are exposed with `_total`
+PREFIX_HITS = metric_names.PREFIX_CACHE_HITS + "_total"
+PREEMPTIONS = metric_names.NUM_PREEMPTIONS + "_total"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -222,7 +189,7 @@ async def _server_counters(client: httpx.AsyncClient, base: str) -> dict[str, fl
         m = parse_metrics(r.text) if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return None
-    return m if any(k.startswith("kvtop_") for k in m) else None
+    return m if any(k.startswith(metric_names.P) for k in m) else None
 
 
 def peak_kv_usage(before: dict, after: dict, sampled: float) -> float:
@@ -292,10 +259,10 @@ async def run_bench(
             def delta(name: str) -> float:
                 return after.get(name, 0.0) - before.get(name, 0.0)
 
-            queries = delta("kvtop_prefix_cache_queries_total")
+            queries = delta(PREFIX_QUERIES)
             server = {
-                "prefix_hit_rate": delta("kvtop_prefix_cache_hits_total") / queries if queries else 0.0,
-                "preemptions": delta("kvtop_num_preemptions_total"),
+                "prefix_hit_rate": delta(PREFIX_HITS) / queries if queries else 0.0,
+                "preemptions": delta(PREEMPTIONS),
                 "peak_kv_usage": peak_kv_usage(before, after, peak.get("kv", 0.0)),
                 "failed_scrapes": peak.get("failed_scrapes", 0),
             }

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtop.ctl import bench
+from kvtop.dashboard.widgets.fmt import ms
+from kvtop.entry import CLIError
 
 bench_app = typer.Typer(help="Load-test an OpenAI-compatible server; compare two runs.", no_args_is_help=False)
 out = Console()
@@ -30,10 +33,6 @@ def _range(text: str, name: str) -> tuple[int, int]:
     if pair[0] <= 0 or pair[1] < pair[0]:
         raise typer.BadParameter("use positive N or MIN:MAX with MIN <= MAX", param_hint=name)
     return pair
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -66,8 +65,6 @@ def bench_run(
     goodput, and the server's own view when it is kvtop."""
     if ctx.invoked_subcommand is not None:
         return
-    if dataset not in DATASETS:
-        raise typer.BadParameter(f"use one of {', '.join(DATASETS)}", param_hint="--dataset")
     if num_prompts <= 0:
         raise typer.BadParameter("must be positive", param_hint="--num-prompts")
     if request_rate <= 0 or burstiness <= 0:
@@ -76,57 +73,15 @@ def bench_run(
         slo_s = bench.parse_slo(slo)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--slo") from None
-    ins, outs = _range(input_len, "--input-len"), _range(output_len, "--output-len")
-    if dataset == "random":
-        reqs = bench.random_dataset(num_prompts, ins, outs, seed)
-    elif dataset == "shared-prefix":
-        reqs = bench.shared_prefix_dataset(num_prompts, groups, system_len, question_len, outs, seed)
-    elif dataset == "long-context":
-        reqs = bench.long_context_dataset(num_prompts, ins, outs, long_share, long_factor, seed)
-    else:
-        if file is None or not file.exists():
-            raise typer.BadParameter("jsonl needs --file pointing at an existing file", param_hint="--file")
-        try:
-            reqs = bench.jsonl_dataset(file, num_prompts, outs, seed)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--file") from None
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        models = httpx.get(f"{bench.api_base(base_url)}/v1/models", headers=headers, timeout=10).json()
-        model = model or models["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        err.print(f"kvctl: no OpenAI-compatible server answers at {base_url} (GET /v1/models failed)", soft_wrap=True)
-        raise typer.Exit(2) from None
-    with Progress(
-        TextColumn(f"[bold]bench[/bold] {dataset}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("· {task.fields[failed]} failed"),
-        TimeElapsedColumn(),
-        console=err,
-    ) as progress:
-        task = progress.add_task("bench", total=len(reqs), failed=0)
-        failed = 0
-
-        def on_done(r: bench.RequestResult) -> None:
-            nonlocal failed
-            failed += 0 if r.ok else 1
-            progress.update(task, advance=1, failed=failed)
-
-        results, duration, server = asyncio.run(
-            bench.run_bench(
-                base_url,
-                model,
-                reqs,
-                request_rate,
-                burstiness,
-                max_concurrency,
-                seed,
-                ignore_eos,
-                api_key,
-                on_done=on_done,
-            )
-        )
+    shape = {"groups": groups, "system_len": system_len, "question_len": question_len, "long_share": long_share,
+             "long_factor": long_factor}  # fmt: skip
+    reqs = _workload(dataset, num_prompts, input_len, output_len, seed, file, shape)
+    model = _served_model(base_url, model, api_key)
+    results, duration, server = _with_progress(
+        dataset, len(reqs), lambda on_done: bench.run_bench(
+            base_url, model, reqs, request_rate, burstiness, max_concurrency, seed, ignore_eos, api_key, on_done=on_done
+        ),
+    )  # fmt: skip
     meta = {"base_url": base_url, "model": model, "dataset": dataset, "num_prompts": num_prompts,
             "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
             "max_concurrency": max_concurrency, "seed": seed}  # fmt: skip
@@ -138,6 +93,53 @@ def bench_run(
         raise typer.Exit(1)
 
 
+def _workload(
+    dataset: str, n: int, input_len: str, output_len: str, seed: int, file: Path | None, shape: dict
+) -> list[bench.BenchRequest]:
+    """The requests of `--dataset`, or BadParameter naming the flag that is wrong."""
+    if dataset not in DATASETS:
+        raise typer.BadParameter(f"use one of {', '.join(DATASETS)}", param_hint="--dataset")
+    ins, outs = _range(input_len, "--input-len"), _range(output_len, "--output-len")
+    if dataset == "random":
+        return bench.random_dataset(n, ins, outs, seed)
+    if dataset == "shared-prefix":
+        return bench.shared_prefix_dataset(n, shape["groups"], shape["system_len"], shape["question_len"], outs, seed)
+    if dataset == "long-context":
+        return bench.long_context_dataset(n, ins, outs, shape["long_share"], shape["long_factor"], seed)
+    if file is None or not file.exists():
+        raise typer.BadParameter("jsonl needs --file pointing at an existing file", param_hint="--file")
+    try:
+        return bench.jsonl_dataset(file, n, outs, seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--file") from None
+
+
+def _served_model(base_url: str, model: str | None, api_key: str | None) -> str:
+    """`model`, else the server's first; no server is one line and exit 2."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        models = httpx.get(f"{bench.api_base(base_url)}/v1/models", headers=headers, timeout=10).json()
+        return model or models["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        raise CLIError(f"no OpenAI-compatible server answers at {base_url} (GET /v1/models failed)", 2) from None
+
+
+def _with_progress(dataset: str, total: int, run: Callable) -> tuple[list[bench.RequestResult], float, dict]:
+    """`run(on_done)` (a coroutine) under a progress bar that counts requests done and failed."""
+    columns = (TextColumn(f"[bold]bench[/bold] {dataset}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("· {task.fields[failed]} failed"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=err) as progress:
+        task = progress.add_task("bench", total=total, failed=0)
+        failed = 0
+
+        def on_done(r: bench.RequestResult) -> None:
+            nonlocal failed
+            failed += 0 if r.ok else 1
+            progress.update(task, advance=1, failed=failed)
+
+        return asyncio.run(run(on_done))
+
+
 def print_report(rep: dict) -> None:
     t = Table(title=f"kvctl bench · {rep['dataset']} · {Path(rep['model']).name}", show_header=True)
     t.add_column("metric")
@@ -145,7 +147,7 @@ def print_report(rep: dict) -> None:
         t.add_column(col, justify="right")
     for name, key in (("TTFT ms", "ttft_s"), ("TPOT ms", "tpot_s"), ("ITL ms", "itl_s"), ("e2e ms", "e2e_s")):
         s = rep[key]
-        t.add_row(name, _ms(s["mean"]), _ms(s["p50"]), _ms(s["p95"]), _ms(s["p99"]))
+        t.add_row(name, *(ms(s[k], 1) for k in ("mean", "p50", "p95", "p99")))
     out.print(t)
     lines = [
         f"completed {rep['completed']}, failed {rep['failed']} in {rep['duration_s']:.2f} s",

@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtop.client import EngineClient, EngineUnavailable
+from kvtop.ctl.openai_client import complete, stream
 
 PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
 FREE_PROMPTS = [
@@ -144,36 +145,15 @@ def build_load(model: str, free: int, max_tokens: int, seed: int = 0) -> list[Jo
 
 async def run_job(http: httpx.AsyncClient, job: Job) -> Result:
     path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
-    res = Result(job.kind, job.stream)
-    t0 = time.perf_counter()
-    try:
-        if not job.stream:
-            r = await http.post(path, json=job.body)
-            r.raise_for_status()
-            body = r.json()
-            usage, res.finish_reason = body["usage"], body["choices"][0]["finish_reason"]
-        else:
-            usage = None
-            body = {**job.body, "stream": True, "stream_options": {"include_usage": True}}
-            async with http.stream("POST", path, json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices", []):
-                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                        if text and res.ttft is None:
-                            res.ttft = time.perf_counter() - t0
-                        res.finish_reason = choice.get("finish_reason") or res.finish_reason
-        res.prompt_tokens = usage["prompt_tokens"]
-        res.completion_tokens = usage["completion_tokens"]
-        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except (httpx.HTTPError, KeyError, TypeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    res.e2e = time.perf_counter() - t0
+    answer = await (stream if job.stream else complete)(http, path, job.body)
+    res = Result(job.kind, job.stream, answer.finish_reason, ttft=answer.ttft, e2e=answer.e2e or 0.0)
+    res.error = answer.error
+    if answer.error is None and not answer.usage:
+        res.error = "the answer carried no usage"
+    elif answer.usage:
+        res.prompt_tokens = answer.usage["prompt_tokens"]
+        res.completion_tokens = answer.usage["completion_tokens"]
+        res.cached_tokens = (answer.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return res
 
 

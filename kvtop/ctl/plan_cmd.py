@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import format_bytes, parse_size
-from engine.planning import GPU_MEMORY_UTILIZATION, PLAN_KV_DTYPES, plan
+from engine.planning import GPU_MEMORY_UTILIZATION, PLAN_KV_DTYPES, Plan, plan
+from kvtop.ctl.options import JsonFlag
 
 
 def plan_command(
@@ -34,7 +35,7 @@ def plan_command(
     context: Annotated[
         str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """How much KV a model needs per token, how many tokens and sequences a memory budget holds."""
     if dtype not in ("bfloat16", "float16", "float32"):
@@ -63,7 +64,12 @@ def plan_command(
         body = dataclasses.asdict(p)
         body["gqa_saving"] = p.gqa_saving
         print(json.dumps(body, indent=2))
-        return
+    else:
+        print_plan(p)
+
+
+def print_plan(p: Plan) -> None:
+    """The plan as a terminal reads it: the model, the budget, one row per KV dtype, the warnings."""
     out = Console()
     budget = f"{format_bytes(p.kv_memory_bytes)} for KV"
     if p.memory_bytes is not None:
