@@ -75,7 +75,7 @@ def test_kvctl_record_from_a_vllm_page_replays_what_vllm_served(vllm_pages, tmp_
     assert snap.meta["model"] == "smollm2-135m" and snap.meta["reason"] == "kvctl record"
     assert snap.meta["config"] == {"recorded_by": "kvtop", "source": "metrics", "engine": "vllm",
                                    "url": f"{url}/metrics", "interval_s": 0.25}  # fmt: skip
-    assert len(snap.frames) == len(served) == 5  # one now, then one every 250 ms for a second
+    assert len(snap.frames) == len(served) >= 3  # one now, then one every 250 ms for a second (5 unless slow)
     assert snap.blocks == [] and snap.sequences == [] and snap.events == []  # vLLM serves none of them
     for frame, page in zip(snap.frames, served, strict=True):
         t = truth((FIXTURES / page).read_text())
@@ -191,7 +191,7 @@ def test_kvctl_record_from_our_own_server_agrees_with_its_stats(tiny_dir, tmp_pa
     finally:
         server.cleanup()
     snap = read_snapshot(out)
-    assert snap.meta["config"]["engine"] == "kvtop" and len(snap.frames) == 3
+    assert snap.meta["config"]["engine"] == "kvtop" and len(snap.frames) >= 2  # one now, more each 0.5 s
     last = snap.frames[-1]
     assert last["engine"]["kind"] == "kvtop" and last["engine"]["model"] == server.model
     assert (last["kv"]["block_size"], last["kv"]["num_blocks"]) == (

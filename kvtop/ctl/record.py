@@ -18,6 +18,7 @@ from kvtop.sources.recorder import Recording, source_meta
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "ms": 0.001}
 PROGRESS_EVERY_S = 10.0  # without a terminal: a progress line this often, not one per frame
+SCRAPE_TIMEOUT_S = 5.0  # a slow page delays the next scrape; a busy engine can take seconds to answer
 
 
 def parse_seconds(text: str, what: str) -> float:
@@ -97,7 +98,7 @@ def record_command(
         raise typer.BadParameter("the interval must be more than 0", param_hint="--interval")
     check_target(output, force=force)  # refused now, not after a minute of recording
     try:
-        source = MetricsSource(url, interval=every, engine=engine, timeout=min(5.0, max(1.0, every)))
+        source = MetricsSource(url, interval=every, engine=engine, timeout=SCRAPE_TIMEOUT_S)
     except ValueError as exc:
         _fail(str(exc))
     rec = Recording(source, interval=every, duration=seconds or None)
