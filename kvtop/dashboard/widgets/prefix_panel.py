@@ -15,6 +15,11 @@ def latest_ratio(history: list[dict], num: str, den: str) -> float | None:
     return min(1.0, n / d) if d and n is not None else None
 
 
+def _count(v: float | None) -> str:
+    """A count the frame carries, or – where it does not (another engine's /metrics): never 0."""
+    return fmt.NONE if v is None else f"{v:,}"
+
+
 class PrefixPanel(Panel):
     TITLE = "Prefix cache"
 
@@ -32,15 +37,21 @@ class PrefixPanel(Panel):
         token_rate = p.get("hit_rate") if p.get("query_tokens") else None
         request_rate = p.get("request_hit_rate") if p.get("queries") else None
         hit_now = latest_ratio(view.history, "prefix.hit_tokens", "prefix.query_tokens")
+        saved = p.get("saved_prefill_s")
+        cached = (
+            fmt.NONE
+            if kv.get("cached") is None
+            else f"{kv['cached']} blocks ({kv['cached'] * kv.get('block_size', 0)} tokens)"
+        )
         rows = [
             fmt.label_value("hit rate", f"{fmt.pct(token_rate)} of tokens · {fmt.pct(request_rate)} of requests"),
-            fmt.label_value("hit tokens", f"{p.get('hit_tokens', 0):,} of {p.get('query_tokens', 0):,} looked up"),
-            fmt.label_value("requests", f"{p.get('hit_requests', 0):,} hit of {p.get('queries', 0):,}"),
-            fmt.label_value("saved", f"{p.get('saved_prefill_s', 0.0):.2f} s of prefill"),
             fmt.label_value(
-                "cached", f"{kv.get('cached', 0)} blocks ({kv.get('cached', 0) * kv.get('block_size', 0)} tokens)"
+                "hit tokens", f"{_count(p.get('hit_tokens'))} of {_count(p.get('query_tokens'))} looked up"
             ),
-            fmt.label_value("evictions", f"{p.get('evictions', 0):,} ({fmt.rate(evict_now)}/s)"),
+            fmt.label_value("requests", f"{_count(p.get('hit_requests'))} hit of {_count(p.get('queries'))}"),
+            fmt.label_value("saved", f"{fmt.NONE if saved is None else f'{saved:.2f}'} s of prefill"),
+            fmt.label_value("cached", cached),
+            fmt.label_value("evictions", f"{_count(p.get('evictions'))} ({fmt.rate(evict_now)}/s)"),
             Text.assemble(
                 ("hit %     ", "bold"),
                 (fmt.sparkline(series.bucketed(hit, spark_w), spark_w), "green"),

@@ -45,6 +45,10 @@ class ThroughputPanel(Panel):
         s = view.frame.get("scheduler", {})
         c = view.frame.get("counters", {})
         refused = rejected_summary(view.frame)
+        if "counters" not in view.frame:  # another engine's /metrics: its totals, where it has them
+            preempted = s.get("preemptions_total")
+            rows.append(fmt.label_value("totals", f"{fmt.NONE if preempted is None else preempted} preemptions", 13))
+            return fmt.lines(rows, height)
         rows.append(
             fmt.label_value(
                 "totals",
