@@ -10,6 +10,25 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 
 
+def run_to_completion(
+    engine: LLMEngine, request_ids: Sequence[str], on_output: Callable[[RequestOutput], None] | None = None
+) -> list[RequestOutput]:
+    """Step `engine` until every request of `request_ids` has finished; their final outputs, in that
+    order. `on_output` sees each of their outputs as it comes (new tokens, then the finished one):
+    the loop of `LLM.generate`, and of `kvctl run` with its progress bar."""
+    waiting, finished = set(request_ids), {}
+    while waiting:
+        for out in engine.step():
+            if out.request_id not in waiting:
+                continue
+            if on_output:
+                on_output(out)
+            if out.finished:
+                finished[out.request_id] = out
+                waiting.discard(out.request_id)
+    return [finished[i] for i in request_ids]
+
+
 class LLM:
     def __init__(self, model: str = "smollm2-135m", quiet: bool = False, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), quiet=quiet)
@@ -30,14 +49,12 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if on_output:
-                        on_output(out)
-        return [finished[i] for i in ids]
+
+        def finished_only(out: RequestOutput) -> None:
+            if out.finished and on_output:
+                on_output(out)
+
+        return run_to_completion(self.engine, ids, finished_only)
 
     def stats(self) -> dict:
         return self.engine.stats()

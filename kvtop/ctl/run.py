@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams
+from engine.llm import run_to_completion
 from engine.outputs import RequestOutput
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -69,18 +70,13 @@ def run_batch(engine: LLMEngine, specs: list[PromptSpec], on_progress=None) -> t
             ids.append(engine.add_request(spec.prompt, spec.params, request_id=f"{spec.id}"))
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"prompt {spec.id}: {exc}") from None
-    done: dict[str, RequestOutput] = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if on_progress and out.new_token_ids:
-                on_progress(len(out.new_token_ids), 0)
-            if out.finished:
-                done[out.request_id] = out
-                if on_progress:
-                    on_progress(0, 1)
-    elapsed = time.time() - t0
-    outputs = [done[i] for i in ids]
-    return outputs, summarize(engine, outputs, elapsed)
+
+    def progress(out: RequestOutput) -> None:
+        if on_progress:
+            on_progress(len(out.new_token_ids), int(out.finished))
+
+    outputs = run_to_completion(engine, ids, progress)  # the loop of LLM.generate
+    return outputs, summarize(engine, outputs, time.time() - t0)
 
 
 def summarize(engine: LLMEngine, outputs: list[RequestOutput], elapsed: float) -> dict:
