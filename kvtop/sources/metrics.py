@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import httpx
 
-from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable
+from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable, last_seconds
 from kvtop.sources.mappings import Mapping, by_kind, detect
 from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import NotMetrics, Scrape, delta, histogram_quantile, parse
@@ -119,6 +119,8 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
     frame["latency"] = _latency(m, scrape, earlier)
     frame["throughput"] = _rates(m, scrape, earlier)
     frame["engine"].setdefault("state", "running")
+    if frame["engine"]["model"] is None:  # llama-server names no model: absent, not None on screen
+        del frame["engine"]["model"]
     frame["unavailable"] = list(m.cannot_show)
     return frame
 
@@ -198,10 +200,7 @@ class MetricsSource(FrameSource):
 
     def history(self, seconds: float = HISTORY_S) -> list[dict]:
         with self._lock:
-            if not self._frames:
-                return []
-            last = self._frames[-1]["ts"]
-            return [f for f in self._frames if f["ts"] >= last - seconds]
+            return last_seconds(self._frames, seconds)
 
     def events(self) -> list[dict]:
         return []  # Prometheus carries counts, not events
