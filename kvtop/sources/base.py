@@ -22,6 +22,14 @@ HISTORY_BYTES, HISTORY_FRAMES = 16 * 1024**2, 400  # replay: what sparklines rea
 CHECK_AT_OPEN, CHECK_BYTES_AT_OPEN = 32, 8 * 1024**2  # replay: frames checked before the dashboard starts
 
 
+def last_seconds(frames, seconds: float) -> list[dict]:
+    """The frames (oldest first) no older than `seconds` before the newest one."""
+    if not frames:
+        return []
+    last = frames[-1]["ts"]
+    return [f for f in frames if f["ts"] >= last - seconds]
+
+
 class SourceUnavailable(Exception):
     """The source cannot give a frame now (the engine is down or refused); try again later."""
 

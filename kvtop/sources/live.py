@@ -19,6 +19,7 @@ from kvtop.sources.base import (
     PREFILL_S,
     FrameSource,
     SourceUnavailable,
+    last_seconds,
 )
 
 
@@ -83,11 +84,9 @@ class LiveSource(FrameSource):
         oldest = self._frames[0]["ts"]
         try:
             with self._factory(self.path, 15.0) as client:
-                try:
-                    past = client.history(since=oldest - PREFILL_S)  # type: ignore[call-arg]
-                except TypeError:  # a client without `since`: the whole recorder, trimmed here
-                    past = client.history()
-        except Exception:  # an engine without /v1/history still works, just starts empty
+                past = client.history(since=oldest - PREFILL_S)
+        except (EngineUnavailable, EngineRequestError, httpx.HTTPError, OSError, ValueError):
+            # an engine without /v1/history, or gone again, still works: the plots start empty
             return
         older = [f for f in past.get("frames", []) if oldest - PREFILL_S <= f.get("ts", 0) < oldest]
         with self._lock:
@@ -114,10 +113,7 @@ class LiveSource(FrameSource):
 
     def history(self, seconds: float = HISTORY_S) -> list[dict]:
         with self._lock:
-            if not self._frames:
-                return []
-            last = self._frames[-1]["ts"]
-            return [f for f in self._frames if f["ts"] >= last - seconds]
+            return last_seconds(self._frames, seconds)
 
     def events(self) -> list[dict]:
         with self._lock:
