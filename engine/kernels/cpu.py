@@ -29,10 +29,14 @@ from engine.log import log
 from engine.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they
+# could raise FP exceptions nobody traps); with it the softmax's exp vectorizes: decode attention
+# 7 % (fp32) to 16 % (bf16 cache) less CPU time.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -53,7 +57,7 @@ def build_dir() -> Path:
     """Where this machine's build lives: a new source, torch, CPU or compiler means a new build."""
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in SOURCES),
         torch.__version__,
         _cpu_flags(),
         " ".join(CFLAGS + LDFLAGS),
@@ -99,7 +103,7 @@ def _build(directory: Path) -> None:
         warnings.simplefilter("ignore")  # compiler-version notes: the one line on failure is ours
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
             build_directory=str(directory),

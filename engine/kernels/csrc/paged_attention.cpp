@@ -63,14 +63,9 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
-}
-
 // exp(x) for x <= 0 (a score minus its row's running max), as Cephes' expf: n = round(x / ln 2),
 // exp(r) by a degree-6 polynomial on |r| <= ln 2 / 2, times 2^n from the exponent bits. Within
-// 2 ulp of expf, and unlike a call to expf it vectorizes.
+// 2 ulp of expf, and unlike a call to expf it vectorizes (with -fno-trapping-math: see cpu.py).
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // 2^n stays a normal float; exp(-87) is 1.6e-38, nothing next to 1
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -209,12 +204,12 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
     const float* k = block_rows<T>(kc, block, head, n, d, s.kbuf.data(), &kstride);
     if (rows >= kTileRows && block_size == kTileBlock) {
       tile_scores(k, kstride, n, d, s.q.data(), rows, s.kt.data(), s.scores.data());
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const float* kr = k + j * kstride;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (s.limit[r] - start > j) s.scores[r * block_size + j] = dot(s.q.data() + r * d, kr, d);
-        }
+    } else {  // row by row, each row's keys up to its limit
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
+        const float* qr = s.q.data() + r * d;
+        float* sc = s.scores.data() + r * block_size;
+        for (int64_t j = 0; j < visible; ++j) sc[j] = dot(qr, k + j * kstride, d);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -232,18 +227,9 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
       }
     }
     const float* v = block_rows<T>(vc, block, head, n, d, s.vbuf.data(), &vstride);
-    if (rows >= kTileRows) {  // row-major: each row's accumulator stays in registers over the block
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
-        row_pv<kD>(s.scores.data() + r * block_size, v, vstride, visible, d, s.acc.data() + r * d);
-      }
-      continue;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vr = v + j * vstride;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (s.limit[r] - start > j) axpy(s.scores[r * block_size + j], vr, s.acc.data() + r * d, d);
-      }
+    for (int64_t r = 0; r < rows; ++r) {  // row-major: each row's accumulator stays in registers over the block
+      const int64_t visible = std::clamp<int64_t>(s.limit[r] - start, 0, n);
+      row_pv<kD>(s.scores.data() + r * block_size, v, vstride, visible, d, s.acc.data() + r * d);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
