@@ -93,6 +93,7 @@ class FleetScreen(Screen):
         self.rows: list[Row] = []
         self.sort, self.reverse = "kv", True
         self.polled_at: float | None = None
+        self.error: str | None = None  # the last round's, when it failed as a whole
         self._timer: Timer | None = None
 
     def compose(self) -> ComposeResult:
@@ -116,11 +117,15 @@ class FleetScreen(Screen):
 
     @work(thread=True, exclusive=True, group="fleet", exit_on_error=False)
     def _poll(self) -> None:
-        self.post_message(FleetPolled(self.fleet.poll(), time.time()))
+        try:
+            rows, error = self.fleet.poll(), None
+        except Exception as exc:  # a round that failed must not stop the rounds: say so, keep the rows
+            rows, error = self.rows, f"{type(exc).__name__}: {exc}"
+        self.post_message(FleetPolled(rows, time.time(), error))
 
     @on(FleetPolled)
     def _polled(self, message: FleetPolled) -> None:
-        self.rows, self.polled_at = message.rows, message.at
+        self.rows, self.polled_at, self.error = message.rows, message.at, message.error
         self.draw()
         if self.is_current:  # hidden under the dashboard: polled again when it comes back
             self._timer = self.set_timer(self.fleet.interval, self._poll, name="fleet-poll")
@@ -136,6 +141,8 @@ class FleetScreen(Screen):
             table.move_cursor(row=table.get_row_index(at), animate=False)
         bad = sum(r.state != "ok" for r in self.rows)
         when = f"round at {fmt.clock(self.polled_at)}, every {self.fleet.interval:g}s" if self.polled_at else "polling…"
+        if self.error:
+            when = f"the last round failed ({self.error}); rows from the one before"
         arrow = "↓" if self.reverse else "↑"
         self.query_one("#fleet-header", Static).update(
             Text.assemble(

@@ -78,3 +78,4 @@ class FleetPolled(Message):
 
     rows: list
     at: float
+    error: str | None = None  # the round failed as a whole: `rows` are the previous ones

@@ -86,7 +86,7 @@ class PrometheusFleet:
         """One round; a Prometheus that cannot be asked is one row saying why."""
         try:
             return self._round()
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:  # not a Prometheus
             return [Row(self.base, "unreachable", f"Prometheus: {type(exc).__name__}: {exc}"[:200])]
 
     def _round(self) -> list[Row]:
