@@ -109,11 +109,7 @@ def _load_rows(t: Table, frame: dict) -> None:
         f" · saved ≈{prefix['saved_prefill_s']:.2f} s of prefill",
     )
     _latency_rows(t, frame["latency"])
-    t.add_row(
-        "throughput",
-        f"{thr['generation_tokens_per_s']:.1f} gen tok/s · {thr['prompt_tokens_per_s']:.1f} prompt tok/s"
-        f" · {thr['requests_per_s']:.2f} req/s",
-    )
+    _throughput_row(t, thr)
     mem = frame.get("memory") or {}
     if mem:
         t.add_row(
@@ -128,6 +124,15 @@ def _latency_rows(t: Table, lat: dict) -> None:
     for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
         if h := lat.get(key):
             t.add_row(label, f"p50 {ms(h['p50'])} · p95 {ms(h['p95'])} · p99 {ms(h['p99'])} ms  ({h['count']} samples)")
+
+
+def _throughput_row(t: Table, thr: dict) -> None:
+    """Tokens/s generated and read; requests/s where the frame has it (a /metrics frame may not)."""
+    parts = [f"{_opt(thr.get('generation_tokens_per_s'), '{:.1f}')} gen tok/s",
+             f"{_opt(thr.get('prompt_tokens_per_s'), '{:.1f}')} prompt tok/s"]  # fmt: skip
+    if thr.get("requests_per_s") is not None:
+        parts.append(f"{thr['requests_per_s']:.2f} req/s")
+    t.add_row("throughput", " · ".join(parts))
 
 
 def _sequences(seqs: list[dict]) -> Table:
@@ -182,12 +187,7 @@ def render_partial(frame: dict) -> Group:
     hits = f" ({prefix['hit_tokens']} / {prefix['query_tokens']})" if "query_tokens" in prefix else ""
     t.add_row("prefix", "-" if rate is None else f"{rate * 100:.1f} % of prompt tokens hit{hits}")
     _latency_rows(t, frame.get("latency") or {})
-    thr = frame.get("throughput") or {}
-    if thr:
-        t.add_row(
-            "throughput",
-            f"{_opt(thr.get('generation_tokens_per_s'), '{:.1f}')} gen tok/s"
-            f" · {_opt(thr.get('prompt_tokens_per_s'), '{:.1f}')} prompt tok/s",
-        )
+    if thr := frame.get("throughput"):
+        _throughput_row(t, thr)
     t.add_row("not shown", Text("\n".join(frame.get("unavailable") or []), style="dim"))
     return Group(t)
