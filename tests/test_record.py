@@ -28,11 +28,18 @@ VLLM_PAGES = ["vllm_real_t0.prom", "vllm_real_t1.prom", "vllm_real_t2.prom"]  # 
 
 
 class Pages(http.server.BaseHTTPRequestHandler):
-    """/metrics answers the recorded vLLM pages in turn, then the last one again."""
+    """/metrics answers the recorded vLLM pages in turn, then the last one again; `/down/metrics`
+    answers HTTP 503 between its 2nd and 5th scrape, as an engine that restarts does."""
 
     served: ClassVar[list[str]] = []
 
     def do_GET(self):
+        if self.path.startswith("/down/") and 2 <= len(self.served) < 5:
+            self.served.append("503")
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         name = VLLM_PAGES[min(len(self.served), len(VLLM_PAGES) - 1)]
         self.served.append(name)
         body = (FIXTURES / name).read_bytes()
@@ -258,3 +265,15 @@ def test_a_file_that_appears_while_recording_is_kept_and_the_recording_goes_besi
     assert proc.returncode == 0, stderr
     assert out.read_text() == "someone else's" and stdout.strip() == str(tmp_path / "race-1.kvsnap")
     assert read_snapshot(tmp_path / "race-1.kvsnap").frames[-1]["engine"]["kind"] == "vllm"
+
+
+def test_an_engine_that_stops_answering_for_a_while_is_recorded_around_the_gap(vllm_pages, tmp_path):
+    url, served = vllm_pages
+    out = tmp_path / "gap.kvsnap"
+    r = kvctl("record", "--url", f"{url}/down/metrics", "-o", str(out), "--duration", "2s", "--interval", "0.25",
+              timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert served[2:5] == ["503"] * 3 and "(3 scrapes failed)" in r.stderr
+    frames = read_snapshot(out).frames
+    assert len(frames) == len(served) - 3  # every page that answered, none made up for the gap
+    assert [f["scheduler"]["running"] for f in frames[:3]] == [0, 0, 8]  # t0, t1, then t2 after the gap
