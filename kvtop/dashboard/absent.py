@@ -56,7 +56,7 @@ def draw(panel: Widget, view: View) -> None:
     line = Text(note, "italic")
     if isinstance(panel, BlockMap):
         panel.border_title = "Block map"
-        panel.query_one("#block-grid", LinesStatic).paint(line)
+        panel.query_one("#block-grid", LinesStatic).paint(line, layout=True)  # its height follows its lines
     elif isinstance(panel, SequencesPanel):
         panel.border_title = "Sequences"
         panel.query_one(SequencesTable).display = False
