@@ -111,6 +111,7 @@ async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(bas
         await until(pilot, lambda: app.source.current and app.source.current["throughput"], "two scrapes")
         await pilot.pause(0.3)
         assert grid(app).strip() == "vLLM exposes no block map"  # one line, not a map of dots
+        assert app.query_one(BlockMap).query_one("#block-grid").size.height == 1  # and on screen, not 0 rows high
         assert notes(app, SequencesPanel) == "vLLM exposes no per-sequence table"
         assert not app.query_one(SequencesTable).display
         kv = text(app.query_one(KVPanel))
