@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import enum
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Literal, get_args, get_origin
+from typing import Annotated, Literal, get_args, get_origin
 
 import typer
 
 from engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES
 from engine.server.config import TRIGGERS
+from kvtop.entry import CLIError
 
 SHELLS = ("bash", "zsh", "fish")
 FILE_NAMES = {"bash": "{prog}.bash", "zsh": "_{prog}", "fish": "{prog}.fish"}
@@ -302,6 +304,17 @@ def fish_script(cmd: Cmd) -> str:
 RENDERERS = {"bash": bash_script, "zsh": zsh_script, "fish": fish_script}
 
 
+def completion_command(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.")],
+    prog: Annotated[str, typer.Option(help="The program to complete: kvctl or kvtop.")] = "kvctl",
+) -> None:
+    """Print a shell completion script (see README: Shell completion)."""
+    try:
+        sys.stdout.write(script(prog, shell))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def script(prog: str, shell: str) -> str:
     if shell not in RENDERERS:
         raise ValueError(f"unknown shell {shell!r}: use {', '.join(SHELLS)}")
@@ -323,8 +336,6 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":  # make completions
-    import sys
-
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("completions")
     for p in generate(target):
         print(p)

@@ -8,20 +8,9 @@ should print instead. `detect` picks the table from the names a `/metrics` page 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from kvtop.sources.mappings.mapping import Mapping
 
-
-@dataclass(frozen=True)
-class Mapping:
-    kind: str  # engine.kind in the frame: kvtop | vllm | sglang | llamacpp
-    label: str  # how the engine is named to a person ("vLLM")
-    prefix: str  # every series of this engine starts with it
-    gauges: dict[str, tuple[str, ...]]  # frame path ("scheduler.running") -> sample names
-    counters: dict[str, tuple[str, ...]]  # frame path -> counter sample names (totals since start)
-    rates: dict[str, tuple[str, ...]]  # throughput field -> counter sample names, per second over the last scrapes
-    histograms: dict[str, str]  # latency key (ttft, itl, e2e, queue) -> histogram name (without _bucket)
-    info: str | None = None  # an info gauge whose labels hold block_size / num_gpu_blocks / cache_dtype
-    cannot_show: tuple[str, ...] = field(default=())  # panels' one-line notes
+__all__ = ["Mapping", "all_mappings", "by_kind", "detect"]
 
 
 def all_mappings() -> tuple[Mapping, ...]:

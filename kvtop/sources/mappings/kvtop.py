@@ -1,6 +1,6 @@
 """Our own server's `/metrics` (engine/server/metrics.py): for an engine whose socket is out of reach."""
 
-from kvtop.sources.mappings import Mapping
+from kvtop.sources.mappings.mapping import Mapping
 
 MAPPING = Mapping(
     kind="kvtop",

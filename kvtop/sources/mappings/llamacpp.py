@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from kvtop.sources.mappings import Mapping
+from kvtop.sources.mappings.mapping import Mapping
 
 MAPPING = Mapping(
     kind="llamacpp",

@@ -1,6 +1,6 @@
 """SGLang `/metrics` (`--enable-metrics`): `sglang:` names (docs.sglang.io, "Production Metrics")."""
 
-from kvtop.sources.mappings import Mapping
+from kvtop.sources.mappings.mapping import Mapping
 
 MAPPING = Mapping(
     kind="sglang",

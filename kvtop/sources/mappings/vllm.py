@@ -1,6 +1,6 @@
 """vLLM (V1) `/metrics`: `vllm:` names (docs.vllm.ai, "Production Metrics")."""
 
-from kvtop.sources.mappings import Mapping
+from kvtop.sources.mappings.mapping import Mapping
 
 MAPPING = Mapping(
     kind="vllm",
