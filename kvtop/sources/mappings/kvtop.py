@@ -1,42 +1,45 @@
 """Our own server's `/metrics` (engine/server/metrics.py): for an engine whose socket is out of reach."""
 
+from engine.server import metrics as M  # where every kvtop_ name is defined: none is retyped here
 from kvtop.sources.mappings.mapping import Mapping
+
+T = "_total"  # a counter's samples carry it
 
 MAPPING = Mapping(
     kind="kvtop",
     label="kvtop",
-    prefix="kvtop_",
+    prefix=M.P,
     gauges={
-        "scheduler.running": ("kvtop_num_requests_running",),
-        "scheduler.waiting": ("kvtop_num_requests_waiting",),
-        "scheduler.swapped": ("kvtop_num_requests_swapped",),
-        "scheduler.active_tokens": ("kvtop_num_active_tokens",),
-        "kv.usage": ("kvtop_kv_cache_usage_perc",),
-        "kv.peak_usage": ("kvtop_kv_cache_peak_usage_perc",),
-        "kv.num_blocks": ("kvtop_kv_cache_num_blocks",),
-        "kv.block_size": ("kvtop_kv_cache_block_size_tokens",),
-        "kv.bytes_per_token": ("kvtop_kv_cache_bytes_per_token",),
-        "prefix.hit_rate": ("kvtop_prefix_cache_hit_rate",),
-        "engine.uptime_s": ("kvtop_engine_uptime_seconds",),
+        "scheduler.running": (M.NUM_REQUESTS_RUNNING,),
+        "scheduler.waiting": (M.NUM_REQUESTS_WAITING,),
+        "scheduler.swapped": (M.NUM_REQUESTS_SWAPPED,),
+        "scheduler.active_tokens": (M.NUM_ACTIVE_TOKENS,),
+        "kv.usage": (M.KV_CACHE_USAGE,),
+        "kv.peak_usage": (M.KV_CACHE_PEAK_USAGE,),
+        "kv.num_blocks": (M.KV_CACHE_NUM_BLOCKS,),
+        "kv.block_size": (M.KV_CACHE_BLOCK_SIZE,),
+        "kv.bytes_per_token": (M.KV_CACHE_BYTES_PER_TOKEN,),
+        "prefix.hit_rate": (M.PREFIX_CACHE_HIT_RATE,),
+        "engine.uptime_s": (M.UPTIME,),
     },
     counters={
-        "scheduler.preemptions_total": ("kvtop_num_preemptions_total",),
-        "prefix.query_tokens": ("kvtop_prefix_cache_queries_total",),
-        "prefix.hit_tokens": ("kvtop_prefix_cache_hits_total",),
-        "prefix.saved_prefill_s": ("kvtop_prefix_cache_saved_prefill_seconds_total",),
+        "scheduler.preemptions_total": (M.NUM_PREEMPTIONS + T,),
+        "prefix.query_tokens": (M.PREFIX_CACHE_QUERIES + T,),
+        "prefix.hit_tokens": (M.PREFIX_CACHE_HITS + T,),
+        "prefix.saved_prefill_s": (M.PREFIX_CACHE_SAVED_PREFILL + T,),
     },
     rates={
-        "prompt_tokens_per_s": ("kvtop_prompt_tokens_total",),
-        "generation_tokens_per_s": ("kvtop_generation_tokens_total",),
-        "requests_per_s": ("kvtop_request_success_total",),
+        "prompt_tokens_per_s": (M.PROMPT_TOKENS + T,),
+        "generation_tokens_per_s": (M.GENERATION_TOKENS + T,),
+        "requests_per_s": (M.REQUEST_SUCCESS + T,),
     },
     histograms={
-        "ttft": "kvtop_time_to_first_token_seconds",
-        "itl": "kvtop_inter_token_latency_seconds",
-        "e2e": "kvtop_e2e_request_latency_seconds",
-        "queue": "kvtop_request_queue_time_seconds",
+        "ttft": M.TTFT,
+        "itl": M.ITL,
+        "e2e": M.E2E,
+        "queue": M.QUEUE_TIME,
     },
-    info="kvtop_cache_config_info",
+    info=M.CACHE_CONFIG_INFO,
     cannot_show=(
         "/metrics carries no block map (kvtop --socket shows it)",
         "/metrics carries no per-sequence table (kvtop --socket shows it)",
