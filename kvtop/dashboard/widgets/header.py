@@ -45,12 +45,16 @@ def rejected_summary(frame: dict) -> str:
 def engine_line(view: View, unreachable_since: float | None) -> Text:
     e = view.frame.get("engine", {})
     line = Text.assemble(
-        (str(e.get("model", "?")), "bold"), "  ", f"{e.get('device', '?')} {e.get('dtype', '')}".rstrip(), "  "
+        (str(e.get("model", "?")), "bold"),
+        "  ",
+        f"{e.get('device', e.get('kind', '?'))} {e.get('dtype', '')}".rstrip(),
+        "  ",
     )
     if unreachable_since is not None:
         ago = fmt.duration(time.time() - unreachable_since)
         line.append(f"✖ unreachable since {fmt.clock(unreachable_since)} ({ago})", "bold red")
-        line.append(f"  last frame {fmt.clock(view.frame.get('ts'))}, step {e.get('step', 0)}", "dim")
+        step = f", step {e['step']}" if "step" in e else ""
+        line.append(f"  last frame {fmt.clock(view.frame.get('ts'))}{step}", "dim")
         return line
     state = e.get("state", "?")
     line.append_text(
@@ -58,8 +62,9 @@ def engine_line(view: View, unreachable_since: float | None) -> Text:
             (f"● {state}", STATE_STYLES.get(state, "bold")),
             drain_detail(view.frame),
             f"  up {fmt.duration(e.get('uptime_s'))}",
-            f"  {fmt.rate(series.latest_rate(view.history, 'engine.step'))} steps/s",
-            f"  step {e.get('step', 0)}",
+            # another engine's /metrics counts no steps: neither a step nor a rate of them
+            f"  {fmt.rate(series.latest_rate(view.history, 'engine.step'))} steps/s" if "step" in e else "",
+            f"  step {e['step']}" if "step" in e else "",
             f"  {fmt.clock(view.frame.get('ts'))}",
         )
     )
