@@ -34,7 +34,8 @@ class PrefixPanel(Panel):
         evictions = series.rates(hist, "prefix.evictions")
         evict_now = series.latest_rate(view.history, "prefix.evictions")
         # with nothing looked up yet there is no hit rate (a 0 % would say the cache missed)
-        token_rate = p.get("hit_rate") if p.get("query_tokens") else None
+        # (SGLang serves its own hit rate and no lookup count: that rate is shown as it is)
+        token_rate = p.get("hit_rate") if p.get("query_tokens") or "query_tokens" not in p else None
         request_rate = p.get("request_hit_rate") if p.get("queries") else None
         hit_now = latest_ratio(view.history, "prefix.hit_tokens", "prefix.query_tokens")
         saved = p.get("saved_prefill_s")
