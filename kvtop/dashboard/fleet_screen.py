@@ -69,6 +69,11 @@ COLUMNS: dict[str, tuple[str, Callable[[Row], object], Callable[[Row], object], 
 TEXT_COLUMNS = ("engine", "kind", "state")
 
 
+def cells_of(r: Row) -> list[Text]:
+    cells = [cell(r) for _, _, cell, _ in COLUMNS.values()]
+    return [c if isinstance(c, Text) else Text(str(c), justify="right") for c in cells]
+
+
 def ordered(rows: list[Row], column: str, reverse: bool) -> list[Row]:
     """Rows sorted by `column`; rows without a value there come last whichever the direction."""
     key = COLUMNS[column][1]
@@ -94,6 +99,8 @@ class FleetScreen(Screen):
         self.sort, self.reverse = "kv", True
         self.polled_at: float | None = None
         self.error: str | None = None  # the last round's, when it failed as a whole
+        self._built: list[tuple[str, list[Text]]] = []  # the rows in the table now
+        self._cells: dict[str, tuple[Row, list[Text]]] = {}  # each engine's last row and its cells
         self._timer: Timer | None = None
 
     def compose(self) -> ComposeResult:
@@ -131,14 +138,7 @@ class FleetScreen(Screen):
             self._timer = self.set_timer(self.fleet.interval, self._poll, name="fleet-poll")
 
     def draw(self) -> None:
-        table = self.query_one(DataTable)
-        at = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
-        table.clear()
-        for r in ordered(self.rows, self.sort, self.reverse):
-            cells = [cell(r) for _, _, cell, _ in COLUMNS.values()]
-            table.add_row(*[c if isinstance(c, Text) else Text(str(c), justify="right") for c in cells], key=r.url)
-        if at is not None and at in {r.url for r in self.rows}:
-            table.move_cursor(row=table.get_row_index(at), animate=False)
+        self._fill(self.query_one(DataTable))
         bad = sum(r.state != "ok" for r in self.rows)
         when = f"round at {fmt.clock(self.polled_at)}, every {self.fleet.interval:g}s" if self.polled_at else "polling…"
         if self.error:
@@ -154,6 +154,31 @@ class FleetScreen(Screen):
                 f" · {when} · sort {COLUMNS[self.sort][0]} {arrow} · enter opens one",
             )
         )
+
+    def _fill(self, table: DataTable) -> None:
+        """The rows in the chosen order. An engine whose row did not change keeps its cells (a big
+        fleet's round changes few); the same engines in the same order: only the changed cells are
+        set; otherwise the table is rebuilt, the cursor kept on its engine."""
+        built, changed, cells = [], set(), {}
+        for r in ordered(self.rows, self.sort, self.reverse):
+            last = self._cells.get(r.url)
+            cells[r.url] = (r, last[1] if last is not None and last[0] == r else cells_of(r))
+            built.append((r.url, cells[r.url][1]))
+            if last is None or last[0] != r:
+                changed.add(r.url)
+        if [k for k, _ in built] == [k for k, _ in self._built]:
+            for key in changed:
+                for column, new, old in zip(COLUMNS, cells[key][1], self._cells[key][1], strict=True):
+                    if new != old:
+                        table.update_cell(key, column, new)
+        else:
+            at = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
+            table.clear()
+            for key, row_cells in built:
+                table.add_row(*row_cells, key=key)
+            if at is not None and at in cells:
+                table.move_cursor(row=table.get_row_index(at), animate=False)
+        self._built, self._cells = built, cells
 
     def selected(self) -> Row | None:
         table = self.query_one(DataTable)
