@@ -21,8 +21,9 @@ Only positions below a sequence's length are read, from the cache and from its b
 stale blocks and unwritten slots never reach the result. Under `TRITON_INTERPRET=1` (tests on the
 CPU) all arithmetic runs in fp32, since the interpreter has no bf16 arithmetic.
 
-Files: `common.py` (quantization modes, tile helpers, host checks), `store.py`, `decode.py`,
-`prefill.py`.
+Files: `common.py` (quantization modes; the cache as the kernels take it, `KVPages` and
+`KVStrides`; `_attend`, the online softmax both attention kernels run; host checks), `store.py`,
+`decode.py`, `prefill.py`.
 """
 
 from engine.kernels.triton.common import _INTERPRETER_SMS, Quant, _num_sms

@@ -8,15 +8,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.common import (
-    QUANT_FP8,
     Quant,
-    _attend_tile,
-    _check_cache,
-    _compute,
+    _attend,
+    _attention_call,
+    _gqa_group,
     _interpreting,
+    _normalize,
     _num_sms,
-    _quant_mode,
-    _scale_strides,
 )
 
 # flash-decoding: never cut a sequence into pieces shorter than this, the merge would cost more
@@ -29,51 +27,14 @@ _DECODE_PROGRAMS_PER_SM = 4
 
 @triton.jit
 def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    sm_scale,
-    num_splits,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
-    stride_bt,
-    stride_os,
-    stride_oh,
-    stride_ps,
-    stride_ph,
-    stride_pk,
-    stride_ls,
-    stride_lh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    q_ptr, pages, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale, num_splits,
+    stride_qs, stride_qh, strides, stride_bt, stride_os, stride_oh,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,42 +54,18 @@ def _decode_kernel(
     if UPCAST:  # fp32 tiles: the interpreter, or fp32 queries
         q = q.to(tl.float32)
 
-    qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
-    if QUANT == QUANT_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
-    bt_row_ptr = block_tables_ptr + seq64 * stride_bt
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    for n0 in range(start, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, n0, end, offs_g, bt_row_ptr,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, False, False, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_end, end, BLOCK_N):  # the ragged last tile, if any
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, n0, end, offs_g, bt_row_ptr,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, True, False, DOT_PRECISION,
-        )  # fmt: skip
-
+    # one query token: no causal mask; only the ragged last tile, if any, is masked
+    acc, l_i, m_i = _attend(
+        q, offs_g, start, full_end, end, sm_scale, block_tables_ptr + seq64 * stride_bt, pages, strides, kv_head,
+        offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, False, DOT_PRECISION,
+    )  # fmt: skip
     # an empty split (or an empty sequence) has l_i == 0: it yields zeros and lse = -inf
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if QUANT == QUANT_FP8:
-        out = out * tl.load(v_scale_ptr).to(tl.float32)
+    out = _normalize(acc, l_i, pages.v_scale, QUANT)
     if SINGLE_SPLIT:
         dst = out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         part = seq64 * stride_ps + heads * stride_ph + split * stride_pk
         tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=row_mask)
         lse_dst = part_lse_ptr + seq64 * stride_ls + heads * stride_lh + split
@@ -214,21 +151,14 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence `[num_seqs, num_heads, head_dim]` over its cached context."""
-    _check_cache(k_cache, v_cache)
+    group = _gqa_group(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of the cache's kv_heads {kv_heads}")
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    mode = _quant_mode(k_cache, k_scale, v_scale)
-    group = num_heads // kv_heads
-    upcast, precision = _compute(q.dtype)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = _decode_config(upcast, block_d, mode)
+    call = _attention_call(q, k_cache, v_cache, k_scale, v_scale)
+    block_n, num_warps, num_stages = _decode_config(call.upcast, call.block_d, call.mode)
     # the table's width bounds every length without reading seq_lens back to the host
     max_len = block_tables.shape[1] * page_size
     num_splits = decode_num_splits(num_seqs, kv_heads, max_len, _num_sms(q.device))
@@ -237,20 +167,14 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    k_sc = k_scale if mode != Quant.NONE else q
-    v_sc = v_scale if mode != Quant.NONE else q
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, k_sc, v_sc, block_tables, seq_lens, out, part_out, part_lse,
+        call.q, call.pages, block_tables, seq_lens, out, part_out, part_lse,
         float(scale), num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *_scale_strides(k_scale, mode), *_scale_strides(v_scale, mode),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        call.q.stride(0), call.q.stride(1), call.strides, block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads * num_splits * head_dim, num_splits * head_dim, head_dim, num_heads * num_splits, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=int(mode),
-        SINGLE_SPLIT=num_splits == 1, UPCAST=upcast, DOT_PRECISION=precision,
+        HEAD_DIM=head_dim, BLOCK_D=call.block_d, BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=int(call.mode),
+        SINGLE_SPLIT=num_splits == 1, UPCAST=call.upcast, DOT_PRECISION=call.precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

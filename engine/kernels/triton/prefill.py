@@ -7,16 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.common import (
-    QUANT_FP8,
-    Quant,
-    _attend_tile,
-    _check_cache,
-    _compute,
-    _interpreting,
-    _quant_mode,
-    _scale_strides,
-)
+from engine.kernels.triton.common import _attend, _attention_call, _gqa_group, _interpreting, _normalize
 
 
 @triton.jit
@@ -37,45 +28,13 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    block_tables_ptr,
-    cu_seqlens_q_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    sm_scale,
-    num_seqs,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    q_ptr, pages, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    sm_scale, num_seqs,
+    stride_qt, stride_qh, strides, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q)
@@ -98,41 +57,17 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
     if UPCAST:  # fp32 tiles: the interpreter, or fp32 queries
         q = q.to(tl.float32)
-    q_pos = context + tok
 
-    qk_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
-    if QUANT == QUANT_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
-    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
     kv_end = context + last_tok + 1
-    # keys every row of the tile sees: no causal or length mask needed there
+    # keys every row of the tile sees need no causal or length mask; the diagonal tiles do
     full_end = (context + first_tok + 1) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, n0, kv_end, q_pos, bt_row_ptr,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, False, False, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, n0, kv_end, q_pos, bt_row_ptr,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            qk_scale, offs_d,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, True, True, DOT_PRECISION,
-        )  # fmt: skip
-
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if QUANT == QUANT_FP8:
-        out = out * tl.load(v_scale_ptr).to(tl.float32)
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, _ = _attend(
+        q, context + tok, 0, full_end, kv_end, sm_scale, bt_row_ptr, pages, strides, kv_head, offs_d,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, QUANT, True, DOT_PRECISION,
+    )  # fmt: skip
+    out = _normalize(acc, l_i, pages.v_scale, QUANT)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -162,39 +97,26 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of packed new tokens `q [total_q, num_heads, head_dim]` over each sequence's
     whole context in the cache (its cached prefix plus the new tokens, already stored)."""
-    _check_cache(k_cache, v_cache)
+    group = _gqa_group(q, k_cache, v_cache)
     total_q, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of the cache's kv_heads {kv_heads}")
     out = torch.empty(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0:
         return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    mode = _quant_mode(k_cache, k_scale, v_scale)
-    group = num_heads // kv_heads
-    upcast, precision = _compute(q.dtype)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = _prefill_config(upcast, block_d)
+    call = _attention_call(q, k_cache, v_cache, k_scale, v_scale)
+    block_m, block_n, num_warps, num_stages = _prefill_config(call.upcast, call.block_d)
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    k_sc = k_scale if mode != Quant.NONE else q
-    v_sc = v_scale if mode != Quant.NONE else q
     # sequence s owns tiles cu_seqlens_q[s] // block_q + s onwards: an upper bound with no host sync
     grid = (total_q // block_q + num_seqs, kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_sc, v_sc, block_tables, cu_seqlens_q, seq_lens, out,
+        call.q, call.pages, block_tables, cu_seqlens_q, seq_lens, out,
         float(scale), num_seqs,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *_scale_strides(k_scale, mode), *_scale_strides(v_scale, mode),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        call.q.stride(0), call.q.stride(1), call.strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=int(mode),
-        UPCAST=upcast, DOT_PRECISION=precision,
+        HEAD_DIM=head_dim, BLOCK_D=call.block_d, BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=int(call.mode),
+        UPCAST=call.upcast, DOT_PRECISION=call.precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

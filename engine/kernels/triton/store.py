@@ -12,9 +12,9 @@ from engine.kernels.triton.common import (
     Quant,
     _check_cache,
     _fp8_e4m3_bits,
-    _quant_mode,
     _round_half_even,
-    _scale_strides,
+    _rows,
+    paged_kv,
 )
 
 
@@ -22,27 +22,13 @@ from engine.kernels.triton.common import (
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
+    pages,
     slot_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_kcb,
-    stride_kct,
-    stride_kch,
-    stride_vcb,
-    stride_vct,
-    stride_vch,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    strides,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -62,8 +48,8 @@ def _store_kv_kernel(
     token64 = token.to(tl.int64)
     k = tl.load(key_ptr + token64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(value_ptr + token64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
-    k_dst = k_cache_ptr + page * stride_kcb + within * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = v_cache_ptr + page * stride_vcb + within * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
+    k_dst = pages.k + _rows(page, within, offs_h, strides.k)[:, None] + offs_d[None, :]
+    v_dst = pages.v + _rows(page, within, offs_h, strides.v)[:, None] + offs_d[None, :]
     if QUANT == QUANT_INT8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -79,11 +65,11 @@ def _store_kv_kernel(
         tl.store(k_dst, kq.to(tl.int8), mask=mask)
         tl.store(v_dst, vq.to(tl.int8), mask=mask)
         h_mask = offs_h < KV_HEADS
-        tl.store(k_scale_ptr + page * stride_ksb + within * stride_kst + offs_h * stride_ksh, k_sc, mask=h_mask)
-        tl.store(v_scale_ptr + page * stride_vsb + within * stride_vst + offs_h * stride_vsh, v_sc, mask=h_mask)
+        tl.store(pages.k_scale + _rows(page, within, offs_h, strides.k_scale), k_sc, mask=h_mask)
+        tl.store(pages.v_scale + _rows(page, within, offs_h, strides.v_scale), v_sc, mask=h_mask)
     elif QUANT == QUANT_FP8:
-        k_sc = tl.load(k_scale_ptr).to(tl.float32)
-        v_sc = tl.load(v_scale_ptr).to(tl.float32)
+        k_sc = tl.load(pages.k_scale).to(tl.float32)
+        v_sc = tl.load(pages.v_scale).to(tl.float32)
         ky = tl.math.div_rn(k.to(tl.float32), tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32) + k_sc)
         vy = tl.math.div_rn(v.to(tl.float32), tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32) + v_sc)
         ky = tl.minimum(tl.maximum(ky, -448.0), 448.0)
@@ -92,8 +78,8 @@ def _store_kv_kernel(
         tl.store(k_dst, _fp8_e4m3_bits(ky), mask=mask)
         tl.store(v_dst, _fp8_e4m3_bits(vy), mask=mask)
     else:
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, k.to(pages.k.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(pages.v.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -112,20 +98,14 @@ def store_kv(
         return
     if key.stride(2) != 1 or value.stride(2) != 1:
         key, value = key.contiguous(), value.contiguous()
-    mode = _quant_mode(k_cache, k_scale, v_scale)
-    k_dst, v_dst = k_cache, v_cache
-    if mode == Quant.FP8:
-        k_dst, v_dst = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    k_sc = k_scale if mode != Quant.NONE else key
-    v_sc = v_scale if mode != Quant.NONE else value
+    mode, pages, strides = paged_kv(k_cache, v_cache, k_scale, v_scale, key)
+    if mode == Quant.FP8:  # written as bytes: see _fp8_e4m3_bits
+        pages = pages._replace(k=k_cache.view(torch.uint8), v=v_cache.view(torch.uint8))
     block_h = triton.next_power_of_2(kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_dst, v_dst, k_sc, v_sc, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *_scale_strides(k_scale, mode), *_scale_strides(v_scale, mode),
+        key, value, pages, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], QUANT=int(mode),
         num_warps=max(1, min(8, block_h * block_d // 256)),
