@@ -17,6 +17,7 @@ import termios
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -118,6 +119,23 @@ def test_serve_help_lists_engine_and_server_flags():
                  "--snapshot-on", "--snapshot-dir", "--kv-cache-memory", "--block-size", "--max-num-seqs",
                  "--kv-cache-dtype", "--enable-prefix-caching", "--served-model-name"):  # fmt: skip
         assert flag in result.output, flag
+
+
+def test_serve_flags_reach_the_server(tiny_dir):
+    """Each server flag becomes the server's setting (they are declared once, from ServerConfig)."""
+    server = start_server(tiny_dir, "--max-queue", "5", "--stats-interval", "0.25", "--history", "30",
+                          "--max-request-body", "2KiB", api_key="sesame")  # fmt: skip
+    try:
+        frame = server.stats()["server"]
+        assert (frame["max_queue"], frame["stats_interval_s"], frame["history_s"]) == (5, 0.25, 30.0)
+        with server.control() as c:  # --snapshot-dir: where a snapshot goes when no path is given
+            assert Path(c.snapshot()["path"]).parent == server.snapshot_dir
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/v1/models").status_code == 401  # --api-key from KVTOP_API_KEY
+            big = {"model": server.model, "prompt": "x" * 4096}
+            assert http.post("/v1/completions", json=big, headers={"Authorization": "Bearer sesame"}).status_code == 413
+    finally:
+        server.cleanup()
 
 
 def _cell_styles(rows) -> list[str]:
