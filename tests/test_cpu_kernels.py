@@ -10,6 +10,7 @@ Tolerances, stated once:
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -139,6 +140,20 @@ def test_attention_never_reads_past_seq_len(kind):
     out = cpu.inplace_prefill_attention(q, *cache.cache_args(), tables, cu, seq_lens, 0.125, **cache.scales())
     want = ref.paged_prefill_attention(q, clean["k"], clean["v"], tables, cu, seq_lens, 0.125, **clean_scales)
     torch.testing.assert_close(out, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("name", ["paged_decode_attention", "paged_prefill_attention", "inplace_prefill_attention"])
+def test_the_cpu_kernels_take_the_reference_arguments_by_name(name):
+    """One signature for both backends (the C++ wrappers bind the reference's own): a caller may
+    name every argument, in any order, and gets the reference's output."""
+    oracle_name = name.replace("inplace_", "paged_")
+    case = decode_case if "decode" in name else prefill_case
+    args, scales = case("int8", 9, 3, 64, seed=7)
+    names = list(inspect.signature(getattr(ref, oracle_name)).parameters)
+    assert list(inspect.signature(getattr(cpu, name)).parameters) == names
+    by_name = dict(reversed(list(zip(names, args, strict=False)))) | scales
+    out = getattr(cpu, name)(**by_name)
+    torch.testing.assert_close(out, getattr(ref, oracle_name)(*args, **scales), **FP32_TOL)
 
 
 def test_an_empty_batch_gives_an_empty_output():

@@ -10,13 +10,16 @@ library in milliseconds. If the build fails (no compiler, no ninja) one line say
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import os
 import platform
 import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -121,71 +124,42 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32).contiguous()
+def _cpp_kernel(op_name: str, oracle: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The C++ op `op_name` behind the oracle's own signature and docstring (`functools.wraps`),
+    so the backends cannot drift apart: arguments are bound by the oracle's names, then the query
+    goes in as float32 (a no-op for float32; 16-bit queries are small next to the cache), the block
+    tables as int32, and the result comes back in the query's dtype."""
+    signature = inspect.signature(oracle)
+
+    @functools.wraps(oracle)
+    def kernel(*args, **kwargs) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        q = a["q"]
+        a["q"] = q.float() if q.stride(-1) == 1 else q.float().contiguous()
+        a["block_tables"] = a["block_tables"].to(torch.int32).contiguous()
+        a["scale"] = float(a["scale"])
+        return getattr(torch.ops.kvtop_cpu, op_name)(*a.values()).to(q.dtype)
+
+    return kernel
 
 
-def _as_query(q: torch.Tensor) -> torch.Tensor:
-    q = q.float()  # a no-op for float32; bf16/fp16 queries are small next to the cache
-    return q if q.stride(-1) == 1 else q.contiguous()
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query token per sequence `[num_seqs, num_heads, head_dim]` over its cached context."""
-    out = torch.ops.kvtop_cpu.paged_decode(
-        _as_query(q), k_cache, v_cache, _as_int32(block_tables), seq_lens, float(scale), k_scale, v_scale
-    )
-    return out.to(q.dtype)
-
+paged_decode_attention = _cpp_kernel("paged_decode", reference.paged_decode_attention)
+# the C++ prefill kernel whatever the chunk length (tests and benchmarks/cpu_attention.py call it)
+inplace_prefill_attention = _cpp_kernel("paged_prefill", reference.paged_prefill_attention)
 
 # Prefill: the in-place kernel wins on short chunks (a few new tokens over a cached context); on
 # longer ones the reference's gather + SDPA (GEMM tiles) is faster. Measured single-threaded, in
 # CPU time, SmolLM2 heads: 4 seqs x 4 new tokens over 256 cached 0.52 vs 0.80 ms; x 16 new
 # 1.66 vs 1.17 ms; 1 x 512 new 13.4 vs 8.3 ms.
 SHORT_CHUNK = 8
+_PREFILL = inspect.signature(reference.paged_prefill_attention)
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of packed new tokens `q [total_q, num_heads, head_dim]` over each sequence's
-    whole context in the cache (its cached prefix plus the new tokens, already stored)."""
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
-    if int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > SHORT_CHUNK:
-        return reference.paged_prefill_attention(*args)
-    return inplace_prefill_attention(*args)
-
-
-def inplace_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`paged_prefill_attention` by the C++ kernel, whatever the chunk length."""
-    out = torch.ops.kvtop_cpu.paged_prefill(
-        _as_query(q), k_cache, v_cache, _as_int32(block_tables), cu_seqlens_q, seq_lens, float(scale), k_scale, v_scale
-    )
-    return out.to(q.dtype)
+@functools.wraps(reference.paged_prefill_attention)
+def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
+    cu = _PREFILL.bind(*args, **kwargs).arguments["cu_seqlens_q"]
+    if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK:
+        return reference.paged_prefill_attention(*args, **kwargs)
+    return inplace_prefill_attention(*args, **kwargs)
