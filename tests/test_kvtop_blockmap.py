@@ -12,6 +12,7 @@ from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.widgets.block_map import BlockMap, render_cells, summarise
 from kvtop.sources import LiveSource
+from tests.test_kvtop_live import until
 
 STORM = Path(__file__).resolve().parent.parent / "snapshots" / "preemption-storm.kvsnap"
 BLOCKS = 6000
@@ -78,8 +79,8 @@ class BigClient:
 async def test_zoom_in_and_out_of_a_big_cache():
     app = KvtopApp(LiveSource("/tmp/kvtop-test.sock", interval=3600, client_factory=BigClient))
     async with app.run_test(size=(160, 48)) as pilot:
-        await pilot.pause(0.3)
         bm = app.query_one(BlockMap)
+        await until(pilot, lambda: bm.view is not None and bm.per_cell > 1, "the first frame drawn")
         fit = bm.per_cell
         assert fit > 1
         assert f"Block map · {BLOCKS} blocks · 1 cell = {fit} blocks (fit)" == str(bm.border_title)

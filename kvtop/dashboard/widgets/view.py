@@ -8,14 +8,13 @@ lives on the app so that it survives the layout being rebuilt when the terminal 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Self
 
 from rich.console import RenderableType
 from rich.text import Text
 from textual.content import Content
-from textual.geometry import Region
+from textual.geometry import Region, Size
+from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Static
 
 SORT_COLUMNS = ("id", "state", "prompt", "output", "cached", "blocks", "kv", "age", "ttft", "itl")
 
@@ -48,42 +47,65 @@ def set_border(widget: Widget, title: str | Content | None = None, subtitle: str
             setattr(widget, name, value)
 
 
-class LinesStatic(Static):
-    """A Static of fixed size that repaints only the lines that changed.
+class LinesStatic(Widget):
+    """Lines of text that Textual draws a line at a time, converting only the lines that changed.
 
-    `Static.update` marks the whole widget dirty, so each frame would re-render every line of
-    every panel (most of kvtop's CPU). `paint` compares the new text with the last line by line
-    and hands Textual just the changed lines; identical text repaints nothing.
+    A `Static` converts its whole text to screen lines on any change, and `Static.update` marks
+    all of it dirty: each frame re-rendered every line of every panel (most of kvtop's CPU).
+    `paint` compares the new text with the last line by line, converts the changed lines only,
+    and hands Textual just those to repaint; identical text repaints nothing. Lines wider than the
+    widget are cut with `…` (never wrapped). `content` is the text shown, as for a Static.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._drawn: RenderableType | None = None
-        self._dirty_lines: list[Region] | None = None
+    DEFAULT_CSS = "LinesStatic { height: auto; }"
 
-    def paint(self, content: RenderableType, layout: bool = False) -> None:
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._drawn = Text()
+        self._lines: list[Text] = []
+        self._strips: list[Strip] = []
+
+    @property
+    def content(self) -> Text:
+        return self._drawn
+
+    def paint(self, content: Text, layout: bool = False) -> None:
         """Show `content`; `layout` where the widget's height follows its number of lines."""
-        old, self._drawn = self._drawn, content
-        if isinstance(old, Text) and isinstance(content, Text):
-            before, after = old.split("\n", allow_blank=True), content.split("\n", allow_blank=True)
+        self._drawn = content
+        lines = content.split("\n", allow_blank=True)
+        old, old_strips = self._lines, self._strips
+        console = self.app.console
+        strips, dirty = [], []
+        for y, line in enumerate(lines):
+            if y < len(old) and old[y] == line:
+                strips.append(old_strips[y])
+            else:
+                strips.append(Strip(list(line.render(console)), line.cell_len))
+                dirty.append(y)
+        self._lines, self._strips = lines, strips
+        if len(lines) != len(old):
+            self.refresh(layout=layout)
+        elif dirty:
             width = max(1, self.size.width)
-            # a line wider than the widget wraps onto the next screen rows: then text line y is not
-            # screen row y, and repainting row y alone would leave stale rows below it on a terminal
-            fits = all(line.cell_len <= width for line in (*before, *after))
-            if fits and len(before) == len(after):
-                self._dirty_lines = [Region(0, y, width, 1) for y, (a, b) in enumerate(zip(before, after)) if a != b]
-                if not self._dirty_lines:
-                    self._dirty_lines = None
-                    return
-        try:
-            self.update(content, layout=layout and self._dirty_lines is None)
-        finally:
-            self._dirty_lines = None
+            self.refresh(*(Region(0, y, width, 1) for y in dirty))
 
-    def refresh(self, *regions: Region, **kwargs) -> Self:
-        if not regions and self._dirty_lines and not kwargs.get("layout"):
-            regions = tuple(self._dirty_lines)
-        return super().refresh(*regions, **kwargs)
+    def render_line(self, y: int) -> Strip:
+        width = self.content_size.width
+        style = self.visual_style.rich_style
+        if y >= len(self._strips):
+            return Strip.blank(width, style)
+        strip = self._strips[y]
+        if strip.cell_length > width:  # cut, with an ellipsis
+            line = self._lines[y].copy()
+            line.truncate(width, overflow="ellipsis")
+            strip = Strip(list(line.render(self.app.console)), line.cell_len)
+        return strip.apply_style(style)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self._strips)
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return max((s.cell_length for s in self._strips), default=0)
 
 
 class Panel(LinesStatic):
