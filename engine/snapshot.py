@@ -22,25 +22,19 @@ import stat
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import EngineError
+from engine.snapshot_format import SNAPSHOT_SCHEMA_VERSION, Snapshot, SnapshotError
+from engine.snapshot_format import TABLES as TABLES  # where callers find it
+from engine.snapshot_reader import load_snapshot
 
-SNAPSHOT_SCHEMA_VERSION = 1
-TABLES = ("meta", "frames", "events", "sequences", "blocks")
 REDACTED = "<redacted>"
 _SECRET = re.compile(r"(key|token|secret|password|passwd|credential)$")
 _FILE_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
                stat.S_IFIFO: "a fifo", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}  # fmt: skip
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
 MAX_PATH_BYTES = 4096
-
-
-class SnapshotError(EngineError):
-    """A snapshot that cannot be written where asked, or a file that cannot be read: missing,
-    not SQLite, truncated, or not kvtop's."""
 
 
 class SnapshotExists(SnapshotError):
@@ -60,16 +54,6 @@ class FlightRecorder:
 
     def snapshot_frames(self) -> list[dict]:
         return list(self.frames)
-
-
-@dataclass
-class Snapshot:
-    path: Path
-    meta: dict
-    frames: list[dict]
-    events: list[dict]
-    sequences: list[dict]
-    blocks: list[dict]
 
 
 # ---- where a snapshot may go ----------------------------------------------------------------
@@ -295,6 +279,4 @@ def _remove_stale_temps(directory: Path) -> None:
 
 def read_snapshot(path: str | Path) -> Snapshot:
     """Open a snapshot read-only and load it all, or raise SnapshotError with a clear reason."""
-    from engine.snapshot_reader import load_snapshot
-
     return load_snapshot(path)

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from engine.frame_check import check_frame
-from engine.snapshot import SNAPSHOT_SCHEMA_VERSION, TABLES, Snapshot, SnapshotError
+from engine.snapshot_format import SNAPSHOT_SCHEMA_VERSION, TABLES, Snapshot, SnapshotError
 from engine.stats import normalize_frame
 
 MAX_EVENTS = 100_000  # an engine keeps 5,000; a crafted file cannot make replay hold millions

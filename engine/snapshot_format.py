@@ -1,0 +1,28 @@
+"""What a `.kvsnap` is, for both its writer (`engine.snapshot`) and its reader
+(`engine.snapshot_reader`): the schema version, the tables, the loaded `Snapshot`, and the error
+either raises. Callers import these from `engine.snapshot`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import EngineError
+
+SNAPSHOT_SCHEMA_VERSION = 1
+TABLES = ("meta", "frames", "events", "sequences", "blocks")
+
+
+class SnapshotError(EngineError):
+    """A snapshot that cannot be written where asked, or a file that cannot be read: missing,
+    not SQLite, truncated, or not kvtop's."""
+
+
+@dataclass
+class Snapshot:
+    path: Path
+    meta: dict
+    frames: list[dict]
+    events: list[dict]
+    sequences: list[dict]
+    blocks: list[dict]
