@@ -122,9 +122,10 @@ def long_functions(tree: str) -> list[str]:
     return [f for path, text in sources(tree) if not path.startswith(KERNELS) for f in long_functions_in(path, text)]
 
 
-# kvtop/ is being reworked by another change of issue #12 (kvtop/ctl split); until it lands its checks may fail
-KVTOP_PENDING = pytest.mark.xfail(strict=False, reason="kvtop half of issue #12 pending")
-TREES = ["engine", pytest.param("kvtop", marks=KVTOP_PENDING), "benchmarks"]
+TREES = ["engine", "kvtop", "benchmarks"]
+# import loops left in kvtop/ (the mappings package and its modules; dashboard.app and
+# dashboard.cli; ctl.cli and ctl.completion): kvtop's half of issue #12, not yet done
+KVTOP_LOOPS = pytest.mark.xfail(strict=False, reason="kvtop's import loops: kvtop half of issue #12 pending")
 
 
 def test_the_checks_see_what_they_check():
@@ -133,7 +134,7 @@ def test_the_checks_see_what_they_check():
     graph = import_graph()
     assert "engine.kv.cache" in graph["engine.llm_engine"]  # from engine.kv.cache import KVCache
     assert "engine.kernels.triton.common" in graph["engine.kernels.triton.decode"]
-    assert "engine.snapshot_reader" in graph["engine.snapshot"]  # a function-level import
+    assert "engine.model.loader" in graph["engine.planning"]  # imported inside spec_for()
     assert "engine.llm_engine" not in graph["engine.stats"]  # under `if TYPE_CHECKING:` only
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert len(list(sources("engine"))) > 50
@@ -142,7 +143,7 @@ def test_the_checks_see_what_they_check():
     assert not list(long_functions_in("m.py", f"async def f():\n{body[: body.rindex('    x')]}"))
 
 
-@pytest.mark.parametrize("tree", [t for t in TREES if t != "benchmarks"])
+@pytest.mark.parametrize("tree", ["engine", pytest.param("kvtop", marks=KVTOP_LOOPS)])
 def test_no_import_loop(tree):
     loops = [loop for loop in cycles(import_graph()) if loop[0].split(".")[0] == tree]
     assert not loops, "import loops (each line: modules that import each other round a loop):\n" + "\n".join(
