@@ -60,7 +60,7 @@ def table_rows(screen: FleetScreen) -> list[Row]:
 async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(base):
     good = [f"{base}/{kind}/{n}/metrics" for n in range(7) for kind in PAGES]  # 21 engines
     bad = {f"{base}/hang": "slow", f"{base}/drip": "slow", f"{base}/garbage": "not metrics"}
-    fleet = Fleet([*good, *bad], timeout=1.5, interval=0.5)
+    fleet = Fleet([*good, *bad], timeout=6.0, interval=0.5)  # a round waits 7 s on the hanging ones
     app = KvtopApp(fleet=fleet, interval=0.2)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
@@ -72,14 +72,15 @@ async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(b
         header = text(screen.query_one("#fleet-header"))
         assert "24 engines, 21 ok, 3 not ok" in header
 
-        # a round waits up to 2.5 s on the hanging targets: a key is answered long before that
+        # the rounds wait 7 s on the hanging targets: a key is answered well within that (a screen
+        # that waited on the round would take the rest of it)
         took = []
         for _ in range(3):
             await pilot.press("o")
             took.append(await until(pilot, lambda: isinstance(app.screen, SortScreen), "the sort picker", 5))
             await pilot.press("escape")
             await until(pilot, lambda: app.screen is screen, "the picker closing", 5)
-        assert max(took) < 2.0, took
+        assert max(took) < 3.0, took
 
         # sort: `o`, then `waiting` (two below the current column, KV usage), enter
         await pilot.press("o", "j", "j", "enter")
