@@ -119,6 +119,8 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
     frame["latency"] = _latency(m, scrape, earlier)
     frame["throughput"] = _rates(m, scrape, earlier)
     frame["engine"].setdefault("state", "running")
+    if frame["engine"]["model"] is None:  # llama-server names no model: absent, not None on screen
+        del frame["engine"]["model"]
     frame["unavailable"] = list(m.cannot_show)
     return frame
 
