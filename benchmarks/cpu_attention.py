@@ -3,6 +3,7 @@ place) side by side with the torch reference (`engine.kernels.reference`: gather
 contiguous copy, then SDPA), over the same caches, in one process.
 
     python benchmarks/cpu_attention.py [--seqs 64] [--context 384] [--layers 30] [--repeats 5]
+        [--dtype float32|bfloat16] [--clock wall|cpu]
 
 One "step" is what one decode step of the engine asks of attention: every layer's decode kernel
 over its own cache (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head_dim 64, 30 layers,
@@ -27,17 +28,21 @@ from engine.kernels import reference as ref
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def best_ms(fn, repeats: int) -> float:
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def best_ms(fn, repeats: int, clock: str = "wall") -> float:
+    now = CLOCK[clock]
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return min(times) * 1e3
 
 
-def make_layers(kind: str, layers: int, num_blocks: int, gen: torch.Generator) -> list[tuple]:
+def make_layers(kind: str, layers: int, num_blocks: int, gen: torch.Generator, dtype=torch.float32) -> list[tuple]:
     """Per layer: (k_cache, v_cache, k_scale, v_scale), filled through the reference store."""
     out = []
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -46,7 +51,7 @@ def make_layers(kind: str, layers: int, num_blocks: int, gen: torch.Generator) -
         k = torch.randn(num_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(num_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
         if kind == "auto":
-            out.append((k.view(shape), v.view(shape), None, None))
+            out.append((k.view(shape).to(dtype), v.view(shape).to(dtype), None, None))
             continue
         dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
         kc, vc = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
@@ -71,8 +76,8 @@ def step(module, q, layers, tables, lens, cu=None) -> torch.Tensor:
 
 
 def row(name: str, args: argparse.Namespace, layers, q, tables, lens, cu=None) -> None:
-    t_ref = best_ms(lambda: step(ref, q, layers, tables, lens, cu), args.repeats)
-    t_cpu = best_ms(lambda: step(cpu, q, layers, tables, lens, cu), args.repeats)
+    t_ref = best_ms(lambda: step(ref, q, layers, tables, lens, cu), args.repeats, args.clock)
+    t_cpu = best_ms(lambda: step(cpu, q, layers, tables, lens, cu), args.repeats, args.clock)
     err = (step(ref, q, layers[-1:], tables, lens, cu) - step(cpu, q, layers[-1:], tables, lens, cu)).abs().max()
     print(f"{name:<34} {t_ref:>9.2f} {t_cpu:>9.2f} {t_ref / t_cpu:>6.2f}x {err.item():>9.1e}", flush=True)
 
@@ -83,6 +88,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="queries and an `auto` cache")
+    ap.add_argument(
+        "--clock",
+        choices=list(CLOCK),
+        default="wall",
+        help="cpu: the process's CPU time (moves less on a busy machine)",
+    )
     args = ap.parse_args()
     if not cpu.load():
         raise SystemExit("the CPU attention kernel could not be built here (see the line above)")
@@ -91,18 +103,22 @@ def main() -> None:
     num_blocks = args.seqs * per_seq + 1
     tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32).view(args.seqs, per_seq)
     lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
-    q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=gen)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers, best of {args.repeats}")
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers, {args.dtype}, "
+        f"best of {args.repeats}, {args.clock} ms"
+    )
     print(f"{'':<34} {'ref_ms':>9} {'cpu_ms':>9} {'x':>7} {'max_err':>9}")
     for kind in ("auto", "int8", "fp8"):
-        layers = make_layers(kind, args.layers, num_blocks, gen)
+        layers = make_layers(kind, args.layers, num_blocks, gen, dtype)
         row(f"decode {args.seqs}x{args.context} kv={kind}", args, layers, q, tables, lens)
         if kind == "auto":
             pre_seqs, cached, new = 4, 128, 256
             pre_tables = tables[:pre_seqs, : -(-(cached + new) // BLOCK_SIZE)].contiguous()
             pre_lens = torch.full((pre_seqs,), cached + new, dtype=torch.int32)
             cu = torch.arange(0, (pre_seqs + 1) * new, new, dtype=torch.int32)
-            pre_q = torch.randn(pre_seqs * new, HEADS, HEAD_DIM, generator=gen)
+            pre_q = torch.randn(pre_seqs * new, HEADS, HEAD_DIM, generator=gen).to(dtype)
             row(f"prefill {pre_seqs}x{new} over {cached} kv={kind}", args, layers, pre_q, pre_tables, pre_lens, cu)
         del layers
 
