@@ -11,6 +11,7 @@ from rich.text import Text
 from textual.widget import Widget
 from textual.widgets import Static
 
+from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.view import LinesStatic, View
@@ -44,8 +45,33 @@ def note_for(panel_id: str | None, frame: dict) -> str | None:
     return said or default.format(engine_label(frame))
 
 
+def kv_partial(frame: dict, width: int) -> Text | None:
+    """The KV panel of a frame without block counts by state (vLLM, SGLang, llama.cpp): what the
+    engine says, then one line for what it does not — not a column of dashes. None otherwise."""
+    kv = frame.get("kv") or {}
+    if "unavailable" not in frame or any(k in kv for k in ("used", "shared", "cached", "free")):
+        return None
+    usage = kv.get("usage")
+    gauge = fmt.gauge(usage, max(4, width - 14)) if usage is not None else fmt.NONE
+    facts = [
+        f"{kv['num_blocks']} blocks" if "num_blocks" in kv else "",
+        f"{kv['block_size']} tok/block" if "block_size" in kv else "",
+        str(kv["dtype"]) if kv.get("dtype") else "",
+        f"{kv['used_tokens']:,} tokens used" if "used_tokens" in kv else "",
+    ]
+    rows = [Text.assemble(("usage ", "bold"), gauge, f" {fmt.pct(usage):>6}")]
+    if any(facts):
+        rows.append(fmt.label_value("cache", " · ".join(f for f in facts if f), 6))
+    rows.append(Text(f"{engine_label(frame)} serves no block counts by state (used, cached, free)", "italic"))
+    return fmt.lines(rows)
+
+
 def draw(panel: Widget, view: View) -> None:
     """Draw `panel` from `view`, or the one line that says why it cannot be drawn."""
+    kv = kv_partial(view.frame, max(1, panel.content_size.width)) if panel.id == "kv" else None
+    if kv is not None and isinstance(panel, LinesStatic):
+        panel.paint(kv)
+        return
     note = note_for(panel.id, view.frame)
     if note is None:
         if isinstance(panel, SequencesPanel):
