@@ -20,6 +20,7 @@ from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.fleet_screen import FleetScreen
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.header import EngineHeader
+from kvtop.dashboard.widgets.help import HelpScreen
 from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.fleet import Fleet
 from kvtop.fleet.poller import Row
@@ -109,6 +110,13 @@ async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(b
         await until(pilot, lambda: app.screen is screen, "the fleet screen")
         before = screen.polled_at
         await until(pilot, lambda: screen.polled_at != before, "a new round")
+
+        await pilot.press("question_mark")  # the fleet's own keys
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+        assert app.screen.mode == "fleet" and {b.key for _, keys in app.screen.groups for b in keys} >= {"enter", "o"}
+        await pilot.press("escape")
+        await pilot.press("q")  # q quits from the fleet screen too (it is not the dashboard's q)
+        await until(pilot, lambda: app.return_code == 0, "kvtop to quit")
 
 
 PROMETHEUS = shutil.which("prometheus")
