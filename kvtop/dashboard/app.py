@@ -144,7 +144,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         if self.source is not None:
             self.source.close()
         self.source = MetricsSource(url, interval=self.interval, engine=self.engine)
-        self.state, self.poll_error = ViewState(), None
+        self.state, self.poll_error, self.paused = ViewState(), None, False
         self.pop_screen()
         self.redraw()
         self._schedule(0)
