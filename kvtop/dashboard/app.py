@@ -20,6 +20,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
+from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input
@@ -174,15 +175,13 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
             return
         try:
             frame = src.poll()
-            if src is not self.source:  # the fleet drilled into another engine meanwhile
-                return
+            message: Message = PollIdle() if frame is None else FrameArrived(frame)
         except SourceUnavailable as exc:
-            self.post_message(SourceLost(str(exc), src.disconnected_since or time.time(), src.next_delay()))
-            return
+            message = SourceLost(str(exc), src.disconnected_since or time.time(), src.next_delay())
         except Exception as exc:  # a bad frame must not kill polling: show it, try again
-            self.post_message(SourceLost(f"{type(exc).__name__}: {exc}", time.time(), 1.0))
-            return
-        self.post_message(PollIdle() if frame is None else FrameArrived(frame))
+            message = SourceLost(f"{type(exc).__name__}: {exc}", time.time(), 1.0)
+        if src is self.source:  # not when the fleet drilled into another engine (or went back) meanwhile
+            self.post_message(message)
 
     @on(FrameArrived)
     def _frame(self) -> None:
