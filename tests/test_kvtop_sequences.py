@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from textual import events
 
 from engine.snapshot import Snapshot, read_snapshot, write_snapshot
 from kvtop.dashboard.app import KvtopApp
@@ -152,3 +153,9 @@ async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
         assert lines[-1].strip().startswith(table.ids[on_screen + 1]) and table.ids[0] not in " ".join(lines)
         await pilot.press("k", "enter")
         assert isinstance(app.screen, SequenceScreen) and app.screen.seq_id == table.ids[on_screen]
+        await pilot.press("escape", "home")
+        # the wheel moves the cursor three rows a notch (Pilot has no wheel: its own mouse-event poster)
+        await pilot._post_mouse_events([events.MouseScrollDown], SequencesTable, (3, 3), times=2)
+        assert table.cursor_row == 6 and app.state.selected_seq == table.ids[6]
+        await pilot.double_click(SequencesTable, offset=(3, 2))  # a double click opens a row at once
+        assert isinstance(app.screen, SequenceScreen) and app.screen.seq_id == table.ids[table.top + 1]
