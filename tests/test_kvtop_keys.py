@@ -360,6 +360,20 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         assert app.screen is app.base and app.is_running
 
 
+@pytest.mark.anyio
+async def test_a_frame_that_lands_while_the_details_open_does_not_crash(tmp_path: Path):
+    """Enter, then a frame before the detail screen is built (frames every 0.3 s made this a crash)."""
+    app = KvtopApp(ReplaySource(read_snapshot(markup_snapshot(tmp_path))))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("G")
+        await pilot.pause(0.2)
+        app.push_screen(SequenceScreen("[/x]", app.view()))
+        app.redraw()  # the frame lands in the same tick: the screen is on the stack, not yet composed
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, SequenceScreen) and app.is_running
+        assert "id  [/x]" in text(app.screen.query_one("#seq-detail"))  # drawn from the newest frame
+
+
 # ---- in a real terminal: the keys arrive as one read, as from tmux send-keys ------------------
 def exits_cleanly(term: Terminal, timeout: float = 20.0) -> None:
     """kvtop ends with status 0 and no traceback (its output drained meanwhile)."""

@@ -65,7 +65,7 @@ class SequenceScreen(ModalScreen[None]):
         super().__init__(classes="dialog-screen")
         self.seq_id = seq_id
         self.last: dict = {}
-        self.first_view = view
+        self.latest = view  # what on_mount draws: a frame can land before the screen is built
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog detail") as box:
@@ -74,16 +74,20 @@ class SequenceScreen(ModalScreen[None]):
             yield Static(id="seq-detail")
 
     def on_mount(self) -> None:
-        self.show(self.first_view)
+        self.show(self.latest)
 
     def show(self, view: View) -> None:
         """Draw the sequence as `view`'s frame has it (or as last seen, once it has gone)."""
+        self.latest = view
+        body = self.query("#seq-detail")
+        if not body:  # pushed but not composed yet: on_mount draws the newest view
+            return
         seq = next((s for s in view.frame.get("sequences", []) if s.get("id") == self.seq_id), None)
         if seq is not None:
             self.last = seq
         events = [e for e in view.events if e.get("seq_id") == self.seq_id]
         text = detail_text(self.seq_id, self.last, seq is None, events, view.frame.get("ts", 0))
-        self.query_one("#seq-detail", Static).update(text)
+        body.first(Static).update(text)
 
     def action_close(self) -> None:
         self.dismiss(None)
