@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Request
 
 from engine.outputs import RequestOutput
@@ -23,7 +25,7 @@ def chat_router(s: Serving) -> APIRouter:
         max_tokens = s.prompts.max_tokens_for(ids, req.wanted_max_tokens, None, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         job = s.start("chatcmpl", [ids], s.sampling(req, max_tokens, k), max_tokens)
-        logprobs = None if k is None else (lambda out, items: chat_logprobs(out, items, s.token_text))
+        logprobs = None if k is None else partial(chat_logprobs, token_text=s.token_text)
         if req.stream:
             opening = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

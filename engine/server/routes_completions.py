@@ -11,7 +11,7 @@ from engine.server.logprobs import completion_logprobs
 from engine.server.openapi import COMPLETION_DOC
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import Serving
-from engine.server.streaming import EventStream, LogprobsFn, stream_job
+from engine.server.streaming import EventStream, stream_job
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -34,7 +34,9 @@ def completions_router(s: Serving) -> APIRouter:
         if req.echo:  # the prompt as sent, or decoded from its token ids
             echoes = [t if isinstance(t, str) else s.engine.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
             echoes = [echoes[i // job.n] for i in range(len(job.ids))]
-        logprobs = None if req.logprobs is None else text_logprobs(req.logprobs, s.token_text)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = partial(completion_logprobs, k=req.logprobs, offset0=0, token_text=s.token_text)
         base = s.header(job, "text_completion")
         if req.stream:
             opening = [
@@ -46,13 +48,6 @@ def completions_router(s: Serving) -> APIRouter:
         return await s.respond(request, job, base, partial(whole, echoes), logprobs)
 
     return router
-
-
-def text_logprobs(k: int, token_text) -> LogprobsFn:
-    def logprobs(out: RequestOutput, items: list[tuple[int, str, int]]) -> dict:
-        return completion_logprobs(out, items, k, 0, token_text)
-
-    return logprobs
 
 
 def chunk(i: int, out: RequestOutput, delta: str, lp: dict | None) -> dict:
