@@ -123,9 +123,6 @@ def long_functions(tree: str) -> list[str]:
 
 
 TREES = ["engine", "kvtop", "benchmarks"]
-# import loops left in kvtop/ (the mappings package and its modules; dashboard.app and
-# dashboard.cli; ctl.cli and ctl.completion): kvtop's half of issue #12, not yet done
-KVTOP_LOOPS = pytest.mark.xfail(strict=False, reason="kvtop's import loops: kvtop half of issue #12 pending")
 
 
 def test_the_checks_see_what_they_check():
@@ -143,7 +140,7 @@ def test_the_checks_see_what_they_check():
     assert not list(long_functions_in("m.py", f"async def f():\n{body[: body.rindex('    x')]}"))
 
 
-@pytest.mark.parametrize("tree", ["engine", pytest.param("kvtop", marks=KVTOP_LOOPS)])
+@pytest.mark.parametrize("tree", ["engine", "kvtop"])
 def test_no_import_loop(tree):
     loops = [loop for loop in cycles(import_graph()) if loop[0].split(".")[0] == tree]
     assert not loops, "import loops (each line: modules that import each other round a loop):\n" + "\n".join(

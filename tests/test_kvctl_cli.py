@@ -260,10 +260,10 @@ def test_zsh_and_fish_scripts_parse(shell):
 def test_version_of_kvctl_and_kvtop():
     from kvtop import __version__
 
-    for prog in ("kvtop.ctl.cli", "kvtop.dashboard.app"):
+    for prog in ("kvtop.ctl.cli", "kvtop.dashboard.cli"):
         proc = subprocess.run([sys.executable, "-m", prog, "--version"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        name = {"kvtop.ctl.cli": "kvctl", "kvtop.dashboard.app": "kvtop"}[prog]
+        name = {"kvtop.ctl.cli": "kvctl", "kvtop.dashboard.cli": "kvtop"}[prog]
         assert proc.stdout.strip() == f"{name} {__version__}"  # not "Missing command"
 
 

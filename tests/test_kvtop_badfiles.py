@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtop.dashboard.app import main
+from kvtop.dashboard.cli import main
 
 SNAPSHOTS = sorted((Path(__file__).resolve().parent.parent / "snapshots").glob("*.kvsnap"))
 
@@ -77,7 +77,7 @@ def test_bad_file_from_the_console_script(tmp_path: Path):
     path = tmp_path / "garbage.kvsnap"
     path.write_bytes(b"\x00\x01garbage" * 100)
     proc = subprocess.run(
-        [sys.executable, "-c", "from kvtop.dashboard.app import main; main()", "--replay", str(path)],
+        [sys.executable, "-c", "from kvtop.dashboard.cli import main; main()", "--replay", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -145,7 +145,7 @@ def test_crafted_snapshot_is_one_line_and_exit_1(case: str, tool: str, tmp_path:
     cmd = (
         ["-m", "kvtop.ctl.cli", "replay", str(path)]
         if tool == "kvctl"
-        else ["-m", "kvtop.dashboard.app", "--replay", str(path)]
+        else ["-m", "kvtop.dashboard.cli", "--replay", str(path)]
     )
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 1, proc.stderr

@@ -42,7 +42,7 @@ class Terminal:
             cols, rows = size
             fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
             os.execve(
-                sys.executable, [sys.executable, "-c", "from kvtop.dashboard.app import main; main()", *args], env
+                sys.executable, [sys.executable, "-c", "from kvtop.dashboard.cli import main; main()", *args], env
             )
 
     def read_until(self, needle: str, timeout: float = 90.0) -> None:

@@ -80,7 +80,7 @@ def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")
     from engine.snapshot_reader import SnapshotReader
 
     SnapshotReader(file).close()  # a quick look, not a load: SnapshotError is one line and exit 1 (main)
-    from kvtop.dashboard import app as dashboard
+    from kvtop.dashboard import cli as dashboard
 
     raise typer.Exit(dashboard.main(["--replay", str(file)]) or 0)
 

@@ -3,7 +3,7 @@
 Static rather than typer's call-back scripts: a TAB must not start Python. The scripts are
 checked in under `completions/` (`make completions` rewrites them; a test fails when they are
 stale). The command trees are read from the two typer apps (`kvtop.ctl.cli.app`,
-`kvtop.dashboard.app.cli`); choices the CLIs keep as plain strings come from the constants in
+`kvtop.dashboard.cli.cli`); choices the CLIs keep as plain strings come from the constants in
 `engine.config`.
 """
 
@@ -115,7 +115,7 @@ def kvctl_command() -> Cmd:
 
 
 def kvtop_command() -> Cmd:
-    from kvtop.dashboard.app import cli
+    from kvtop.dashboard.cli import cli
 
     return from_click(typer.main.get_command(cli), "kvtop")
 

@@ -221,7 +221,7 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
     loader = threading.Thread(target=lambda: asyncio.run(rounds()), name="demo-load", daemon=True)
     loader.start()
     try:
-        subprocess.run([sys.executable, "-m", "kvtop.dashboard.app", "--socket", str(socket)], check=False)
+        subprocess.run([sys.executable, "-m", "kvtop.dashboard.cli", "--socket", str(socket)], check=False)
     finally:
         stop.set()
         console.print("dashboard closed; letting the requests in flight finish…")

@@ -357,12 +357,3 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
     def _selected(self, message: SequenceSelected) -> None:
         """The sequences table moved its cursor (it set `state.selected_seq` as it did): the map follows."""
         self._redraw_one(BlockMap)
-
-
-# the command line lives in kvtop.dashboard.cli; `kvtop.dashboard.app:main` stays the entry point
-from kvtop.dashboard.cli import cli, main  # noqa: E402
-
-__all__ = ["KvtopApp", "cli", "main"]
-
-if __name__ == "__main__":
-    main()

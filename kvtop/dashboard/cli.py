@@ -138,3 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvtop.entry import run_cli
 
     run_cli(cli, "kvtop", argv)
+
+
+if __name__ == "__main__":
+    main()
