@@ -123,7 +123,9 @@ def test_frames_are_valid_against_the_schema(idle):
                 break
         for f in streamed:
             assert_valid(f)
-        assert streamed[-1]["ts"] - streamed[0]["ts"] == pytest.approx(0.2, abs=0.15)
+        stamps = [f["ts"] for f in streamed]
+        # a fresh frame each time, no faster than asked (slower is the machine's load, not a fault)
+        assert stamps == sorted(set(stamps)) and stamps[-1] - stamps[0] >= 0.15
         history = c.history()
     s.join(60)
     assert history["interval_s"] == 0.2 and len(history["frames"]) >= 2

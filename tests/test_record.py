@@ -165,17 +165,21 @@ def test_record_errors_are_one_line(args, message, tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "x.kvsnap").exists()
 
 
-def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
+    """Ctrl-C or SIGTERM stops it, also when started from a script in the background (a
+    non-interactive shell starts `cmd &` with SIGINT ignored: the recording went on for good)."""
     url, served = vllm_pages
     out = tmp_path / "stopped.kvsnap"
     proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "0", "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while len(served) < 5 and time.monotonic() < deadline:
             time.sleep(0.1)
         answered = len(served)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=30)
     finally:
         proc.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,17 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _interrupt(signum, frame) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM stop the recording and keep it, even where the shell that started kvctl
+    in the background left SIGINT ignored (a non-interactive shell does that to `cmd &`)."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def _fail(message: str) -> NoReturn:
     """One line on stderr and exit status 1, as kvctl's other errors (the CLI module may run as __main__,
     so its error class is not the one this module would import)."""
@@ -112,6 +124,7 @@ def record_command(
     print(f"recording {source.url} {until}, every {every:g} s, into {output} (Ctrl-C stops and keeps what was recorded)",
           file=sys.stderr, flush=True)  # fmt: skip
     stopped = False
+    _stop_on_signals()
     try:
         rec.run(progress)
     except KeyboardInterrupt:
