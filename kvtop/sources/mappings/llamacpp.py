@@ -65,8 +65,11 @@ def slot_sequences(slots: Any) -> list[dict]:
         following = slot.get("next_token")
         following = following[0] if isinstance(following, list) and following else following  # newer: a list
         following = following if isinstance(following, dict) else {}
+        # n_prompt_tokens is the slot's whole sequence (it grows as it decodes, seen on a real
+        # llama-server): the prompt is what was evaluated plus what came from its cache
+        prompt = _prompt_tokens(slot)
         for key, value in (("task", slot.get("id_task")), ("n_ctx", slot.get("n_ctx")),
-                           ("prompt_tokens", slot.get("n_prompt_tokens")),
+                           ("prompt_tokens", prompt),
                            ("cached_tokens", slot.get("n_prompt_tokens_cache")),
                            ("output_tokens", following.get("n_decoded")),
                            ("remaining_tokens", following.get("n_remain"))):  # fmt: skip
@@ -74,6 +77,11 @@ def slot_sequences(slots: Any) -> list[dict]:
                 row[key] = value
         rows.append(row)
     return rows
+
+
+def _prompt_tokens(slot: dict) -> int | None:
+    done, cached = _count(slot.get("n_prompt_tokens_processed")), _count(slot.get("n_prompt_tokens_cache"))
+    return None if done is None or cached is None else done + cached
 
 
 def read_slots(client: httpx.Client, metrics_url: str) -> dict:
