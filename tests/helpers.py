@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import random
 
 import torch
@@ -33,3 +34,18 @@ def widget_text(widget) -> str:
     """The plain text a Textual Static-like widget shows."""
     content = widget.content
     return content.plain if hasattr(content, "plain") else str(content)
+
+
+class PageHandler(http.server.BaseHTTPRequestHandler):
+    """A loopback HTTP server's handler that answers recorded pages: `reply`, and no request log."""
+
+    def reply(self, status: int, body: bytes, content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass

@@ -15,12 +15,13 @@ import pytest
 
 from kvtop.sources.mappings.llamacpp import slot_sequences, slots_url
 from kvtop.sources.metrics import MetricsSource
+from tests.helpers import PageHandler
 
 FIXTURES = Path(__file__).parent / "fixtures"
 METRICS = (FIXTURES / "metrics" / "llamacpp.prom").read_bytes()
 
 
-class LlamaServer(http.server.BaseHTTPRequestHandler):
+class LlamaServer(PageHandler):
     """/metrics: the llama-server page; /slots: `slots` (bytes), or the status `slots_status`."""
 
     slots: ClassVar[bytes] = b"[]"
@@ -31,13 +32,7 @@ class LlamaServer(http.server.BaseHTTPRequestHandler):
         status, body = (200, METRICS) if path.endswith("/metrics") else (self.slots_status, self.slots)
         if not path.endswith(("/metrics", "/slots")):
             status, body = 404, b"{}"
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply(status, body)
 
 
 @pytest.fixture

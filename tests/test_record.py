@@ -21,13 +21,14 @@ from engine.snapshot import SnapshotError, read_snapshot
 from kvtop.sources import ReplaySource
 from kvtop.sources.metrics import MetricsSource
 from kvtop.sources.recorder import record_frames, source_meta
+from tests.helpers import PageHandler
 from tests.server_harness import KVCTL, kvctl, start_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 VLLM_PAGES = ["vllm_real_t0.prom", "vllm_real_t1.prom", "vllm_real_t2.prom"]  # idle, after 12 requests, 8 at once
 
 
-class Pages(http.server.BaseHTTPRequestHandler):
+class Pages(PageHandler):
     """/metrics answers the recorded vLLM pages in turn, then the last one again; `/down/metrics`
     answers HTTP 503 between its 2nd and 5th scrape, as an engine that restarts does."""
 
@@ -43,14 +44,7 @@ class Pages(http.server.BaseHTTPRequestHandler):
         name = VLLM_PAGES[min(len(self.served), len(VLLM_PAGES) - 1)]
         self.served.append(name)
         body = (FIXTURES / name).read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, body, "text/plain; version=0.0.4")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 from kvtop.sources.mappings import all_mappings, by_kind, detect
 from kvtop.sources.metrics import build_frame, metrics_url
 from kvtop.sources.prometheus import NotMetrics, histogram_quantile, parse
+from tests.helpers import PageHandler
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -179,7 +180,7 @@ def test_a_real_vllm_recording_under_load():
     assert frame["throughput"]["generation_tokens_per_s"] > 0
 
 
-class _Misbehaving(http.server.BaseHTTPRequestHandler):
+class _Misbehaving(PageHandler):
     """/hang answers nothing for a minute; /garbage answers 200 with bytes that are not metrics."""
 
     def do_GET(self):
@@ -187,13 +188,7 @@ class _Misbehaving(http.server.BaseHTTPRequestHandler):
             time.sleep(60)
             return
         body = b"\x00\xff<html>{{not metrics" if self.path == "/garbage" else (FIXTURES / "vllm_t0.prom").read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, body)
 
 
 @pytest.fixture
