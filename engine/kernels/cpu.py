@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import reference
+from engine.kernels.cpu_prefill import sdpa_prefill_attention
 
 # Writing K/V is an index_put over the new tokens' slots: the reference's is already in place.
 from engine.kernels.reference import store_kv  # noqa: F401
@@ -161,5 +162,5 @@ _PREFILL = inspect.signature(reference.paged_prefill_attention)
 def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
     cu = _PREFILL.bind(*args, **kwargs).arguments["cu_seqlens_q"]
     if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK:
-        return reference.paged_prefill_attention(*args, **kwargs)
+        return sdpa_prefill_attention(*args, **kwargs)
     return inplace_prefill_attention(*args, **kwargs)

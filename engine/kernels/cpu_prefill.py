@@ -1,0 +1,97 @@
+"""Prefill attention on the CPU for long prompt chunks: torch's CPU flash attention (SDPA) over
+each sequence's own context, gathered from the paged cache, with the reference's signature.
+
+The reference (`engine.kernels.reference.paged_prefill_attention`) pads every sequence to the
+longest query and context and builds a boolean mask over all of them; SDPA then cannot skip a
+tile. Here sequences that share (new tokens, context length) go through SDPA together, gathering
+only their own blocks:
+- a chunk that is the whole context (no cached prefix) is plain causal attention: `is_causal=True`
+  lets the flash kernel skip the tiles above the diagonal, and no mask is built;
+- a one-token chunk sees its whole context: no mask either;
+- a chunk over a cached prefix of P tokens, where query i sees keys <= P + i, takes one [n, L] mask
+  shared by the group. (Splitting it into an unmasked prefix part and a causal part merged by their
+  log-sum-exp was slower unless the prefix is short next to the chunk: measured, not kept.)
+GQA goes through `enable_gqa` (no copy of K/V per query head): faster than repeating K/V.
+Keys past a sequence's length are never passed to SDPA, so whatever stale data (even NaN) the
+cache holds there cannot leak into the output. Quantized caches are dequantized by the
+reference's `gather_kv`, so the semantics are the oracle's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.reference import gather_kv
+
+
+def sdpa_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens `q [total_q, num_heads, head_dim]` over each sequence's
+    whole context in the cache (its cached prefix plus the new tokens, already stored)."""
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s, length in enumerate(lens):
+        n = starts[s + 1] - starts[s]
+        if n > 0:
+            groups.setdefault((n, length), []).append(s)
+    out = q.new_empty(q.shape)
+    caches = (k_cache, v_cache, k_scale, v_scale)
+    for (n, length), seqs in groups.items():
+        _attend_group(q, out, caches, block_tables, starts, seqs, n, length, float(scale))
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    caches: tuple,
+    block_tables: torch.Tensor,
+    starts: list[int],
+    seqs: list[int],
+    n: int,
+    length: int,
+    scale: float,
+) -> None:
+    """SDPA for the sequences `seqs`, each with `n` new tokens and `length` tokens of context."""
+    k_cache, v_cache, k_scale, v_scale = caches
+    g, first = len(seqs), seqs[0]
+    # sequences packed one after another (the usual case): their queries and outputs are views
+    packed = seqs == list(range(first, first + g))
+    if packed:
+        tables = block_tables[first : first + g]
+        rows = slice(starts[first], starts[first] + g * n)
+        queries = q[rows].unflatten(0, (g, n))
+    else:
+        tables = block_tables[torch.tensor(seqs, device=block_tables.device)]
+        rows = torch.cat([torch.arange(starts[s], starts[s] + n) for s in seqs]).to(q.device)
+        queries = q.index_select(0, rows).unflatten(0, (g, n))
+    nblocks = -(-length // k_cache.shape[1])
+    k = gather_kv(k_cache, tables, nblocks, q.dtype, k_scale)[:, :length]
+    v = gather_kv(v_cache, tables, nblocks, q.dtype, v_scale)[:, :length]
+    mask = None
+    if 1 < n < length:  # query i sits at position length - n + i and sees keys up to it
+        positions = torch.arange(length, device=q.device)
+        mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
+    o = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=n == length and n > 1,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    ).transpose(1, 2)
+    if packed:
+        out[rows].unflatten(0, (g, n)).copy_(o)
+    else:
+        out.index_copy_(0, rows, o.reshape(g * n, *o.shape[2:]))
