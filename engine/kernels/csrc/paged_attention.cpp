@@ -26,6 +26,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kTileTokens = 16;
@@ -240,6 +244,178 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
   }
 }
 
+#if defined(__AVX512F__)
+// ---- decode on AVX-512: one query token per sequence, a GQA group of up to 8 rows -----------------
+// The portable `attend` above is general (tiles, causal limits, any block size) but spends most of a
+// decode item on bookkeeping: it dequantizes each block into a buffer, scores key by key through a
+// buffer, and runs the softmax scalar per row. Here a K/V row is loaded straight into registers
+// (16 lanes, converted on the fly), every row of the group is scored against it, the block's 16
+// scores of a row are one register, and the group's accumulators stay in registers over the block.
+// Quantization scales fold into the scores (K) and the probabilities (V). It runs at about one
+// core's memory bandwidth here: a decode step of SmolLM2 (30 layers x 64 sequences x 384 tokens,
+// bf16 cache, one thread) 120 -> 63 ms, fp32 164 -> 96 ms; the prefetch of the next block, spread
+// over the keys, is half of that (without it, 131 ms bf16).
+
+const float* const kFp8Table = fp8_table();
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {  // fp8 e4m3 through the table
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_i32gather_ps(idx, kFp8Table, 4);
+  }
+}
+
+// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's polynomial, lane-wise.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+
+// Scales of one block's n rows for one head (int8: per token; fp8: per tensor; else 1), as 16 lanes.
+inline __m512 block_scales(const CacheView& c, int64_t block, int64_t head, int64_t n) {
+  if (c.scales == nullptr) return _mm512_set1_ps(1.f);
+  if (!c.per_token) return _mm512_set1_ps(c.scales[0]);
+  alignas(64) float s[16] = {};
+  for (int64_t j = 0; j < n; ++j) s[j] = c.scale_of(block, j, head);
+  return _mm512_load_ps(s);
+}
+
+// One sequence's KV head: G (<= GM) prescaled query rows `q` [G, D] over its first `len` keys;
+// the normalized result goes to `out` [G, D]. Blocks of 16 rows.
+template <typename T, int D, int GM>
+void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_t* table, int64_t head,
+                 const CacheView& kc, const CacheView& vc, float* __restrict out) {
+  constexpr int V = D / 16;
+  __m512 acc[GM][V];
+  float m[GM], l[GM];
+  for (int g = 0; g < GM; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  }
+  const T* kbase = static_cast<const T*>(kc.data) + head * kc.head_stride;
+  const T* vbase = static_cast<const T*>(vc.data) + head * vc.head_stride;
+  const int64_t nblocks = (len + 15) / 16;
+  alignas(64) float p[GM][16];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min<int64_t>(16, len - b * 16), block = table[b];
+    const T* kb = kbase + block * kc.block_stride;
+    const T* vb = vbase + block * vc.block_stride;
+    // the next block is anywhere in the cache: ask for its rows one per key scored here, spread out
+    // so that the requests do not all wait at once for the core's few line-fill buffers
+    const T* nk = b + 1 < nblocks ? kbase + table[b + 1] * kc.block_stride : kb;
+    const T* nv = b + 1 < nblocks ? vbase + table[b + 1] * vc.block_stride : vb;
+    // scores: each key row once, against every row of the group
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(nk + j * kc.row_stride) + off);
+        __builtin_prefetch(reinterpret_cast<const char*>(nv + j * vc.row_stride) + off);
+      }
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) k[v] = load16<T>(kb + j * kc.row_stride + 16 * v);
+      for (int g = 0; g < GM; ++g) {
+        if (g >= G) break;
+        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k[0]);
+        for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), k[v], t);
+        p[g][j] = _mm512_reduce_add_ps(t);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 ks = block_scales(kc, block, head, n), vs = block_scales(vc, block, head, n);
+    for (int g = 0; g < GM; ++g) {
+      if (g >= G) break;
+      const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, _mm512_load_ps(p[g]), ks);
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
+      const float alpha = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+      m[g] = m_new;
+      _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));
+      if (alpha != 1.f) {
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], a);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = load16<T>(vb + j * vc.row_stride + 16 * v);
+      for (int g = 0; g < GM; ++g) {
+        if (g >= G) break;
+        const __m512 pj = _mm512_set1_ps(p[g][j]);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(pj, x[v], acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < GM; ++g) {
+    if (g >= G) break;
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+  }
+}
+
+template <typename T, int D>
+void decode_item_any(const float* q, int64_t G, int64_t len, const int32_t* table, int64_t head,
+                     const CacheView& kc, const CacheView& vc, float* out) {
+  if (G == 1) decode_item<T, D, 1>(q, G, len, table, head, kc, vc, out);
+  else if (G == 2) decode_item<T, D, 2>(q, G, len, table, head, kc, vc, out);
+  else if (G == 3) decode_item<T, D, 3>(q, G, len, table, head, kc, vc, out);
+  else if (G == 4) decode_item<T, D, 4>(q, G, len, table, head, kc, vc, out);
+  else decode_item<T, D, 8>(q, G, len, table, head, kc, vc, out);
+}
+
+// Every (sequence, KV head) of a decode step in parallel. True if it ran (shapes it covers).
+template <typename T>
+bool run_decode_fast(const at::Tensor& q, at::Tensor& out, const CacheView& kc, const CacheView& vc,
+                     const at::Tensor& block_tables, const int64_t* lens, int64_t kv_heads, int64_t block_size,
+                     double scale) {
+  const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2), group = heads / kv_heads;
+  if (block_size != 16 || group > 8 || (d != 64 && d != 128)) return false;
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  float* op = out.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.size(1);
+  const auto sc = static_cast<float>(scale);
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qbuf[8 * 128];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = qp + s * qs0 + (h * group + g) * qs1;
+        for (int64_t x = 0; x < d; ++x) qbuf[g * d + x] = src[x] * sc;
+      }
+      float* dst = op + (s * heads + h * group) * d;
+      const int32_t* table = tables + s * table_stride;
+      if (d == 64) decode_item_any<T, 64>(qbuf, group, lens[s], table, h, kc, vc, dst);
+      else decode_item_any<T, 128>(qbuf, group, lens[s], table, h, kc, vc, dst);
+    }
+  });
+  return true;
+}
+#endif  // __AVX512F__
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "q: float32 [tokens, heads, dim]");
@@ -317,7 +493,8 @@ void check_tables(const std::vector<Tile>& tiles, const at::Tensor& block_tables
 
 at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const std::vector<Tile>& tiles, double scale,
-                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                    const int64_t* decode_lens = nullptr) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (tiles.empty()) return out;
   check_tables(tiles, block_tables, k_cache.size(1), k_cache.size(0));
@@ -327,6 +504,12 @@ at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const bool quantized = st == at::kChar || st == at::kFloat8_e4m3fn;
   TORCH_CHECK(!quantized || (kc.scales && vc.scales), "an int8 or fp8 cache needs k_scale and v_scale");
   auto run = [&](auto tag) {
+#if defined(__AVX512F__)
+    if (decode_lens != nullptr && run_decode_fast<decltype(tag)>(q, out, kc, vc, block_tables, decode_lens, kv_heads,
+                                                                 block_size, scale)) {
+      return;
+    }
+#endif
     run_tiles<decltype(tag)>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
   };
   if (st == at::kFloat) run(float{});
@@ -348,7 +531,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   std::vector<Tile> tiles;
   tiles.reserve(q.size(0));
   for (int64_t s = 0; s < q.size(0); ++s) tiles.push_back({s, s, 1, lp[s]});
-  return dispatch(q, k_cache, v_cache, block_tables, tiles, scale, k_scale, v_scale);
+  return dispatch(q, k_cache, v_cache, block_tables, tiles, scale, k_scale, v_scale, lp);
 }
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
