@@ -33,7 +33,8 @@ class AttentionBatch:
 
 
 class Backend(Protocol):
-    """What `reference`, `triton` and `cpu` each provide (as module-level functions)."""
+    """What `reference`, `triton` and `cpu` each provide (as module-level functions): the three
+    attention functions, and the element-wise ops the model calls around them."""
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None: ...
 
@@ -44,6 +45,15 @@ class Backend(Protocol):
     def paged_prefill_attention(
         self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None, v_scale=None
     ) -> torch.Tensor: ...
+
+    # the decoder layer's element-wise ops (reference's rounding; see engine.kernels.reference)
+    def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(self, x, residual, weight, eps) -> torch.Tensor: ...  # residual += x in place
+
+    def rotary_embedding(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]: ...  # may rotate in place
+
+    def silu_and_mul(self, gate_up) -> torch.Tensor: ...
 
 
 def paged_attention(

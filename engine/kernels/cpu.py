@@ -34,7 +34,7 @@ from engine.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they
@@ -164,3 +164,39 @@ def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
     if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK:
         return sdpa_prefill_attention(*args, **kwargs)
     return inplace_prefill_attention(*args, **kwargs)
+
+
+# The decoder layer's element-wise ops (`csrc/fused_ops.cpp`): one pass each, the reference's
+# rounding. float32 and bfloat16; other dtypes (float16) take the reference's torch ops.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.wraps(reference.rms_norm)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype not in _FUSED_DTYPES:
+        return reference.rms_norm(x, weight, eps)
+    return torch.ops.kvtop_cpu.rms_norm(x, weight, eps)
+
+
+@functools.wraps(reference.fused_add_rms_norm)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype not in _FUSED_DTYPES:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    return torch.ops.kvtop_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@functools.wraps(reference.rotary_embedding)
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype not in _FUSED_DTYPES:
+        return reference.rotary_embedding(q, k, cos, sin)
+    torch.ops.kvtop_cpu.rotary_embedding(q, k, cos, sin)  # in place
+    return q, k
+
+
+@functools.wraps(reference.silu_and_mul)
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dtype not in _FUSED_DTYPES:
+        return reference.silu_and_mul(gate_up)
+    return torch.ops.kvtop_cpu.silu_and_mul(gate_up)

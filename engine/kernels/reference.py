@@ -1,4 +1,6 @@
-"""Plain-torch paged attention: the CPU path and the oracle the Triton kernels are tested against.
+"""Plain torch kernels: paged attention, and the decoder layer's element-wise ops (RMSNorm, RoPE,
+SiLU-and-mul). The CPU fallback, the GPU's element-wise ops, and the oracle the Triton and C++
+kernels are tested against.
 
 Cache layout per layer (DESIGN §2): k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
 Quantized caches:
@@ -154,3 +156,42 @@ def paged_prefill_attention(
     mask[:, :, 0] = True
     out = _attend(padded_q, k, v, mask, scale)
     return out[seq_of_token, local]
+
+
+# The decoder layer's element-wise ops. Their rounding is the definition the C++ ops reproduce.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in the same order of operations as transformers' LlamaRMSNorm,
+    so bf16 rounds the same way: normalized in fp32, rounded to x's dtype, times the weight."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += x` in place (the residual stream), then `rms_norm(residual)`."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE, neox style (rotate_half), on q `[tokens, heads, dim]` and k `[tokens, kv_heads, dim]`
+    with each token's cos/sin rows `[tokens, dim]`. Returns the rotated q and k: use those, since
+    a backend may rotate in place (the C++ one does) or not (this one)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of the fused projection `[tokens, 2 * intermediate]` (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -2,7 +2,9 @@
 
 One forward runs every scheduled sequence of a step as one packed batch of tokens (no padding):
 `input_ids`/`positions` are `[num_tokens]`; attention reads and writes the paged cache through the
-kernels in `engine.kernels` (`attention.paged_attention` picks decode or prefill). Covers Llama
+kernels in `engine.kernels` (`attention.paged_attention` picks decode or prefill), and the norms,
+RoPE and SiLU-and-mul are that backend's element-wise ops too (fused C++ on the CPU, the reference's
+torch ops elsewhere). Covers Llama
 (incl. llama3 RoPE scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and SmolLM. Projections are fused at load time (qkv, gate+up) so a
 layer is four matmuls.
 """
@@ -16,19 +18,6 @@ from torch import nn
 from engine.kernels.attention import AttentionBatch, Backend, paged_attention
 from engine.kv.cache import KVLayer
 from engine.model.spec import ModelSpec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # same order of operations as transformers' LlamaRMSNorm, so bf16 rounds the same way
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -50,30 +39,36 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
         kv: KVLayer,
         kernels: Backend,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` is the previous layer's MLP output, added here into the residual stream (or, for
+        the first layer, with `residual` None, the embeddings, which become it); returns this
+        layer's MLP output and the stream. So each residual add is one pass with the norm after it."""
         spec = self.spec
-        n = x.shape[0]
-        h = rms_norm(x, self.input_layernorm, spec.rms_norm_eps)
+        n, eps = x.shape[0], spec.rms_norm_eps
+        if residual is None:
+            residual, h = x, kernels.rms_norm(x, self.input_layernorm, eps)
+        else:
+            h = kernels.fused_add_rms_norm(x, residual, self.input_layernorm, eps)
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.kv_size
         q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, spec.num_heads, spec.head_dim)
         k = k.view(n, spec.num_kv_heads, spec.head_dim)
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
-            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q = kernels.rms_norm(q, self.q_norm, eps)
+            k = kernels.rms_norm(k, self.k_norm, eps)
+        q, k = kernels.rotary_embedding(q, k, cos, sin)
         attn = paged_attention(q, k, v, kv, batch, self.scale, kernels)
-        x = x + self.o_proj(attn.reshape(n, q_size))
-        h = rms_norm(x, self.post_attention_layernorm, spec.rms_norm_eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = kernels.fused_add_rms_norm(
+            self.o_proj(attn.reshape(n, q_size)), residual, self.post_attention_layernorm, eps
+        )
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class CausalLM(nn.Module):
@@ -105,15 +100,17 @@ class CausalLM(nn.Module):
         kv_layers: list[KVLayer],
         kernels: Backend,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos_all, sin_all = self.cos_sin
-        cos = cos_all[positions].unsqueeze(1)
-        sin = sin_all[positions].unsqueeze(1)
+        cos, sin = cos_all[positions], sin_all[positions]
         for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, cos, sin, batch, kv, kernels)
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+            x, residual = layer(x, residual, cos, sin, batch, kv, kernels)
+        return kernels.fused_add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "logits_head", None)  # prepacked on CPU by engine.model.packed_linear
+        if head is not None:
+            return head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 

@@ -26,6 +26,8 @@ Files: `common.py` (quantization modes; the cache as the kernels take it, `KVPag
 `decode.py`, `prefill.py`.
 """
 
+# The element-wise ops of the decoder layer stay torch ops on the GPU: the reference's.
+from engine.kernels.reference import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from engine.kernels.triton.common import _INTERPRETER_SMS, Quant, _num_sms
 from engine.kernels.triton.decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, decode_num_splits, paged_decode_attention
 from engine.kernels.triton.prefill import paged_prefill_attention
@@ -38,7 +40,11 @@ __all__ = [
     "Quant",
     "_num_sms",
     "decode_num_splits",
+    "fused_add_rms_norm",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "store_kv",
 ]

@@ -1,0 +1,263 @@
+// Fused element-wise ops of the decoder layer on the CPU: RMSNorm (alone, and after the residual
+// add), RoPE (neox style, in place on q and k) and SiLU-and-mul. Each makes one pass over its
+// rows where the torch code (engine/kernels/reference.py, the oracle) makes several, and rounds
+// where torch's ops round: arithmetic in fp32, and for bfloat16 every intermediate that torch
+// stores as a bf16 tensor rounded to bf16 (nearest even) at the same point. float32 and bfloat16;
+// engine/kernels/cpu.py sends other dtypes to the reference.
+//
+// Built into the same extension as paged_attention.cpp (which holds TORCH_LIBRARY(kvtop_cpu)).
+// Plain omp-simd loops over bit-level bf16 conversions: gcc vectorizes them for whatever
+// -march=native offers (AVX-512 or AVX2), so there is one path and no intrinsics.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+// No a*b + c*d into fma: torch rounds each product and the sum, and RoPE in fp32 then matches it
+// bit for bit. (After the includes: only this file's functions.)
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+constexpr int64_t kGrainElements = 16384;  // per parallel chunk: below this a thread costs more than it saves
+
+// Element access by storage type: float as is, bfloat16 as its 16 bits (shifts vectorize; c10's
+// conversions do not always).
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  using Bits = float;
+  static float get(float v) { return v; }
+  static float put(float f) { return f; }
+  static float round(float f) { return f; }
+};
+
+template <>
+struct Elem<c10::BFloat16> {
+  using Bits = uint16_t;
+  static float get(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
+  // round to nearest even, NaN kept quiet: c10::BFloat16's own rule
+  static uint32_t rounded_bits(float f) {
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+  }
+  static uint16_t put(float f) { return static_cast<uint16_t>(rounded_bits(f) >> 16); }
+  static float round(float f) { return std::bit_cast<float>(rounded_bits(f)); }
+};
+
+// Rows of a tensor whose last dim is contiguous: row r of [A, B, H] (or [A, H]) starts at
+// (r / B) * s0 + (r % B) * s1, so views such as qkv.split's q need no copy.
+struct Rows {
+  int64_t count, width, inner, s0, s1;
+
+  explicit Rows(const at::Tensor& t) : width(t.size(-1)), inner(1), s0(0), s1(0) {
+    TORCH_CHECK(t.dim() == 2 || t.dim() == 3, "expected a 2-d or 3-d tensor, got ", t.dim(), " dims");
+    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "the last dim must be contiguous");
+    s0 = t.stride(0);
+    if (t.dim() == 3) std::tie(inner, s1) = std::make_tuple(t.size(1), t.stride(1));
+    count = t.size(0) * inner;
+  }
+  int64_t offset(int64_t r) const { return (r / inner) * s0 + (r % inner) * s1; }
+};
+
+int64_t grain(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+using Bits = typename Elem<T>::Bits;
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)): torch's `weight * (xf * rsqrt(...)).to(dtype)`.
+template <typename T>
+void norm_row(const Bits<T>* x, const Bits<T>* w, Bits<T>* out, int64_t h, float eps) {
+  using E = Elem<T>;
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) {
+    const float f = E::get(x[i]);
+    ss += f * f;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) out[i] = E::put(E::get(w[i]) * E::round(E::get(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, float eps) {
+  const Rows rows(x);
+  const int64_t h = rows.width;
+  const auto* xp = static_cast<const Bits<T>*>(x.data_ptr());
+  const auto* wp = static_cast<const Bits<T>*>(weight.data_ptr());
+  auto* op = static_cast<Bits<T>*>(out.data_ptr());
+  at::parallel_for(0, rows.count, grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row<T>(xp + rows.offset(r), wp, op + r * h, h, eps);
+  });
+}
+
+// residual = round(residual + x) in place (torch's bf16 add), then out = norm(residual).
+template <typename T>
+void fused_add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                             at::Tensor& out, float eps) {
+  using E = Elem<T>;
+  const Rows xr(x), rr(residual);
+  const int64_t h = xr.width;
+  const auto* xp = static_cast<const Bits<T>*>(x.data_ptr());
+  auto* rp = static_cast<Bits<T>*>(residual.data_ptr());
+  const auto* wp = static_cast<const Bits<T>*>(weight.data_ptr());
+  auto* op = static_cast<Bits<T>*>(out.data_ptr());
+  at::parallel_for(0, xr.count, grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Bits<T>* xs = xp + xr.offset(r);
+      Bits<T>* res = rp + rr.offset(r);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) res[i] = E::put(E::get(res[i]) + E::get(xs[i]));
+      norm_row<T>(res, wp, op + r * h, h, eps);
+    }
+  });
+}
+
+// One head row in place, neox style: out = round(round(x * cos) + round(rotate_half(x) * sin)),
+// rotate_half(x) = (-x2, x1). Iteration i touches only x[i] and x[i + half]: no dependence.
+template <typename T>
+void rope_row(Bits<T>* x, const Bits<T>* c, const Bits<T>* s, int64_t half) {
+  using E = Elem<T>;
+  Bits<T>* hi = x + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = E::get(x[i]), x2 = E::get(hi[i]);
+    const float a1 = E::round(x1 * E::get(c[i])), b1 = E::round(-x2 * E::get(s[i]));
+    const float a2 = E::round(x2 * E::get(c[i + half])), b2 = E::round(x1 * E::get(s[i + half]));
+    x[i] = E::put(a1 + b1);
+    hi[i] = E::put(a2 + b2);
+  }
+}
+
+template <typename T>
+void rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const Rows qr(q), kr(k);
+  const int64_t tokens = q.size(0), hq = qr.inner, hk = kr.inner, per_token = hq + hk, half = q.size(-1) / 2;
+  auto* qp = static_cast<Bits<T>*>(q.data_ptr());
+  auto* kp = static_cast<Bits<T>*>(k.data_ptr());
+  const auto* cp = static_cast<const Bits<T>*>(cos.data_ptr());
+  const auto* sp = static_cast<const Bits<T>*>(sin.data_ptr());
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, tokens * per_token, grain(2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / per_token, head = r % per_token;
+      Bits<T>* row = head < hq ? qp + qr.offset(t * hq + head) : kp + kr.offset(t * hk + head - hq);
+      rope_row<T>(row, cp + t * cs, sp + t * ss, half);
+    }
+  });
+}
+
+// exp(x) in fp32 as Cephes' expf (within 2 ulp): n = round(x / ln 2), a degree-6 polynomial on
+// |r| <= ln 2 / 2, times 2^n built from exponent bits (2^(n-1) * 2, so n = 128 stays finite).
+// Unlike a call to expf it vectorizes. exp(x < -86) gives exp(-86); above 88.72 it is inf.
+inline float exp_fp32(float x) {
+  const float xc = std::min(std::max(x, -86.f), 88.7f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  const float half_two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 126) << 23);
+  return x > 88.72283f ? std::numeric_limits<float>::infinity() : (e * half_two_n) * 2.f;
+}
+
+// out = round(round(g / (1 + exp(-g))) * u): torch's `F.silu(gate) * up`, silu's formula included.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  using E = Elem<T>;
+  const Rows rows(gate_up);
+  const int64_t inter = rows.width / 2;
+  const auto* gp = static_cast<const Bits<T>*>(gate_up.data_ptr());
+  auto* op = static_cast<Bits<T>*>(out.data_ptr());
+  at::parallel_for(0, rows.count, grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Bits<T>* g = gp + rows.offset(r);
+      const Bits<T>* u = g + inter;
+      Bits<T>* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = E::get(g[i]);
+        o[i] = E::put(E::round(x / (1.f + exp_fp32(-x))) * E::get(u[i]));
+      }
+    }
+  });
+}
+
+void check_float_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(!t.is_cuda(), name, " must be on the CPU");
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& weight) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
+              "weight must be a contiguous vector of x's last dim");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_weight(x, weight);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, weight, out, static_cast<float>(eps));
+  else rms_norm_impl<c10::BFloat16>(x, weight, out, static_cast<float>(eps));
+  return out;
+}
+
+at::Tensor fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_weight(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must have x's shape and dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_impl<float>(x, residual, weight, out, static_cast<float>(eps));
+  else fused_add_rms_norm_impl<c10::BFloat16>(x, residual, weight, out, static_cast<float>(eps));
+  return out;
+}
+
+void rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float_or_bf16(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(-1) == q.size(-1),
+              "q [tokens, heads, dim] and k [tokens, kv_heads, dim] expected");
+  TORCH_CHECK(q.size(-1) % 2 == 0, "head_dim must be even");
+  for (const at::Tensor* t : {&k, &cos, &sin}) TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dtypes differ");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(-1) && t->stride(1) == 1,
+                "cos and sin must be [tokens, head_dim] with a contiguous last dim");
+  }
+  if (q.scalar_type() == at::kFloat) rope_impl<float>(q, k, cos, sin);
+  else rope_impl<c10::BFloat16>(q, k, cos, sin);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_float_or_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [tokens, 2 * intermediate]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_and_mul_impl<float>(gate_up, out);
+  else silu_and_mul_impl<c10::BFloat16>(gate_up, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &fused_add_rms_norm);
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_embedding);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+}
