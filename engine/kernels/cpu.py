@@ -131,12 +131,15 @@ def _cpp_kernel(op_name: str, oracle: Callable[..., torch.Tensor]) -> Callable[.
     goes in as float32 (a no-op for float32; 16-bit queries are small next to the cache), the block
     tables as int32, and the result comes back in the query's dtype."""
     signature = inspect.signature(oracle)
+    names = list(signature.parameters)
 
     @functools.wraps(oracle)
     def kernel(*args, **kwargs) -> torch.Tensor:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        if kwargs or len(args) != len(names):  # the model passes every argument by position: no bind there
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        a = dict(zip(names, args, strict=True))
         q = a["q"]
         a["q"] = q.float() if q.stride(-1) == 1 else q.float().contiguous()
         a["block_tables"] = a["block_tables"].to(torch.int32).contiguous()
