@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +185,38 @@ def test_a_failed_build_falls_back_to_the_reference(tiny_dir, tmp_path):
     assert "Traceback" not in proc.stderr
     failures = [line for line in proc.stderr.splitlines() if "could not be built" in line]
     assert len(failures) == 1 and "using the reference kernels" in failures[0]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or cpu.ARCH != "native", reason="an x86-64 build for this machine")
+def test_the_avx2_build_matches_the_reference_too(tmp_path):
+    """Machines differ: an AVX2-only CPU (AMD Zen 3) compiles none of the AVX-512 paths. The same
+    comparisons, on a build for x86-64-v3 (AVX2, FMA; no AVX-512), in a fresh cache."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "KVTOP_CACHE": str(tmp_path), "KVTOP_CPU_ARCH": "x86-64-v3"}
+    tests = [
+        "tests/test_cpu_kernels.py",
+        *(["tests/test_fused_ops.py"] if (root / "tests/test_fused_ops.py").exists() else []),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *tests,
+        "-k",
+        "not avx2_build and not failed_build",
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+    built = list(tmp_path.glob("kernels/cpu-attention-*/kvtop_cpu_attention.so"))
+    assert len(built) == 1
+    # that build really has no AVX-512 code: no zmm register in the library
+    if shutil.which("objdump"):
+        dump = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True, text=True, check=True)
+        assert "zmm" not in dump.stdout
 
 
 def test_a_table_that_does_not_cover_the_context_is_an_error_not_a_crash():

@@ -40,7 +40,10 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they
 # could raise FP exceptions nobody traps); with it the softmax's exp vectorizes: decode attention
 # 7 % (fp32) to 16 % (bf16 cache) less CPU time.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+# KVTOP_CPU_ARCH names another target than this machine (e.g. x86-64-v3: AVX2, no AVX-512) — for a
+# build that must run elsewhere, and for the test that checks the portable paths on an AVX-512 machine.
+ARCH = os.environ.get("KVTOP_CPU_ARCH", "native")
+CFLAGS = ["-O3", f"-march={ARCH}", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
