@@ -16,6 +16,7 @@ from engine.log import log
 from engine.model import default
 from engine.model.gguf import convert_gguf
 from engine.model.llama import CausalLM
+from engine.model.packed_linear import pack_model
 from engine.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec, read_spec, spec_from_config
 from engine.paths import cache_dir
 
@@ -110,4 +111,5 @@ def load_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
     return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes)

@@ -1,0 +1,92 @@
+"""Linear layers whose weight is prepacked once for the CPU's GEMM library (issue #13).
+
+`F.linear` on the CPU reorders its weight into the GEMM library's blocked layout on every call;
+these layers hold the weight already reordered and call the packed op directly, as torch's own
+inductor does with `freezing=True`. `pack_model` swaps a loaded model's four projections per
+layer, and its logits matmul, for them, on the CPU in bf16 and fp32 only (any other dtype or
+device keeps `nn.Linear`). `KVTOP_PACKED_LINEAR=0` turns it off, to compare.
+
+The packed op is oneDNN's (`torch.ops.mkldnn`): its packed weight replaces the original (no second
+copy; `weight.to_dense()` reads it back), and it is right for any number of rows, the batch size
+given at pack time being only a layout hint that measured within noise from 1 to 2,048 rows. MKL's
+packed fp32 GEMM (`torch.ops.mkl._mkl_linear`) was measured too and left out: it is packed for one
+row count only (any other runs the plain GEMM on the original weight, so it needs both copies) and
+gained little more than oneDNN at that count (benchmarks/README.md, "Prepacked linear layers").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from engine.log import log
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ENV = "KVTOP_PACKED_LINEAR"
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class OneDNNLinear(nn.Module):
+    """`weight` is oneDNN's opaque tensor: right shape, dtype and size; `weight.to_dense()` reads it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """Packing applies: a CPU weight in bf16 or fp32, oneDNN present, and not turned off."""
+    return (
+        os.environ.get(ENV, "1") != "0"
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and onednn_available()
+    )
+
+
+def unpacked(layer: OneDNNLinear) -> nn.Linear:
+    """The plain nn.Linear a packed layer came from (same weight and bias)."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = nn.Parameter(layer.weight.to_dense(), requires_grad=False)
+    if layer.bias is not None:
+        linear.bias = layer.bias
+    return linear
+
+
+@torch.no_grad()
+def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
+    """Swap the model's four projections per layer and its logits matmul for packed layers, in
+    place; False where packing does not apply, or (one log line, the model back to nn.Linear) fails.
+    Each original goes as soon as its packed copy exists: loading never holds two copies."""
+    if not applies(model.embed_tokens.weight):
+        return False
+    done: list[tuple[nn.Module, str]] = []
+    try:
+        for layer in model.layers:
+            for name in PROJECTIONS:
+                linear = getattr(layer, name)
+                setattr(layer, name, OneDNNLinear(linear.weight, linear.bias, batch_hint))
+                done.append((layer, name))
+        # compute_logits uses it when present; a tied embedding stays dense for the lookup
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.logits_head = OneDNNLinear(head, None, batch_hint)
+        if model.lm_head is not None:
+            model.lm_head = model.logits_head  # the dense original goes
+    except Exception as exc:  # the op missing or refusing this build: plain nn.Linear, as before
+        for layer, name in done:
+            setattr(layer, name, unpacked(getattr(layer, name)))
+        model.logits_head = None
+        log(f"prepacked linear layers off ({type(exc).__name__}: {exc}); using nn.Linear")
+        return False
+    return True
