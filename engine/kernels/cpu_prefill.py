@@ -12,6 +12,9 @@ only their own blocks:
   shared by the group. (Splitting it into an unmasked prefix part and a causal part merged by their
   log-sum-exp was slower unless the prefix is short next to the chunk: measured, not kept.)
 GQA goes through `enable_gqa` (no copy of K/V per query head): faster than repeating K/V.
+Padding whole prompts of different lengths into one causal launch was slower (64 prompts of
+20..44 tokens: SDPA's time grows with the padded length squared, 64 x 44 costs 2.4x 64 x 32), and
+so was one launch per sequence when shapes repeat: measured, not kept.
 Keys past a sequence's length are never passed to SDPA, so whatever stale data (even NaN) the
 cache holds there cannot leak into the output. Quantized caches are dequantized by the
 reference's `gather_kv`, so the semantics are the oracle's.
