@@ -20,7 +20,7 @@ import torch
 
 from engine.kernels import cpu
 from engine.kernels import reference as ref
-from engine.kernels.cpu_prefill import sdpa_prefill_attention
+from engine.kernels.cpu_prefill import sdpa_pays, sdpa_prefill_attention
 from tests.test_triton_kernels import Paged, cu_seqlens, strided_q
 
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -126,4 +126,25 @@ def test_the_backend_routes_both_sides_of_short_chunk_to_a_correct_kernel(new_to
     if not cpu.load():
         pytest.skip("the CPU attention kernel could not be built here")  # the short side needs it
     args, _ = case([(0, new_tokens), (37, new_tokens), (300, 1), (300, new_tokens)], seed=new_tokens)
+    torch.testing.assert_close(cpu.paged_prefill_attention(*args), ref.paged_prefill_attention(*args), **FP32_TOL)
+
+
+def test_sdpa_is_chosen_only_where_its_launches_carry_enough_work():
+    """One SDPA launch per (new tokens, context) shape costs ~0.2 ms before any work: many short
+    prompts of different lengths go to the in-place kernel, long or repeated shapes to SDPA."""
+
+    def pays(seqs):
+        return sdpa_pays(cu_seqlens([n for _, n in seqs]), torch.tensor([p + n for p, n in seqs]))
+
+    assert pays([(0, 256)] * 8)  # the engine's long-prompt step
+    assert pays([(128, 256)] * 4) and pays([(0, 2048)])
+    assert pays([(0, 32)] * 64)  # one launch for all
+    assert pays([(100 + 25 * i, 16) for i in range(16)])  # a cached prefix: enough keys per launch
+    assert not pays([(0, 24 + i % 17) for i in range(32)])  # 17 launches of ~2 short prompts
+
+
+def test_many_short_prompts_of_different_lengths_match_reference_through_the_backend():
+    if not cpu.load():
+        pytest.skip("the CPU attention kernel could not be built here")
+    args, _ = case([(0, 24 + i % 17) for i in range(32)], seed=9)
     torch.testing.assert_close(cpu.paged_prefill_attention(*args), ref.paged_prefill_attention(*args), **FP32_TOL)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import reference
-from engine.kernels.cpu_prefill import sdpa_prefill_attention
+from engine.kernels.cpu_prefill import sdpa_pays, sdpa_prefill_attention
 
 # Writing K/V is an index_put over the new tokens' slots: the reference's is already in place.
 from engine.kernels.reference import store_kv  # noqa: F401
@@ -160,7 +160,8 @@ inplace_prefill_attention = _cpp_kernel("paged_prefill", reference.paged_prefill
 # longer ones SDPA's GEMM tiles (`cpu_prefill`) are faster. Measured single-threaded, CPU ms,
 # SmolLM2 heads, in-place vs SDPA: 4 seqs over 256 cached x 8 new 0.59 vs 0.81 (bf16 0.64 vs
 # 0.61), x 12 new 1.13 vs 0.80 (0.90 vs 0.66); 16 seqs over 100..500 cached x 8 new 3.30 vs 4.00,
-# x 16 new 5.96 vs 4.95; 1 x 2,048 new 133 vs 51 (bf16 142 vs 22).
+# x 16 new 5.96 vs 4.95; 1 x 2,048 new 133 vs 51 (bf16 142 vs 22). Longer chunks still stay in
+# place when SDPA would need a launch for each of many small shapes (`cpu_prefill.sdpa_pays`).
 SHORT_CHUNK = 8
 _PREFILL = inspect.signature(reference.paged_prefill_attention)
 
@@ -168,8 +169,12 @@ _PREFILL = inspect.signature(reference.paged_prefill_attention)
 @functools.wraps(reference.paged_prefill_attention)
 def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
     # the model passes every argument by position: no bind (0.1 ms) on that path
-    cu = args[4] if len(args) > 4 else _PREFILL.bind(*args, **kwargs).arguments["cu_seqlens_q"]
-    if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK:
+    if len(args) > 5:
+        cu, lens = args[4], args[5]
+    else:
+        bound = _PREFILL.bind(*args, **kwargs).arguments
+        cu, lens = bound["cu_seqlens_q"], bound["seq_lens"]
+    if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK and sdpa_pays(cu, lens):
         return sdpa_prefill_attention(*args, **kwargs)
     return inplace_prefill_attention(*args, **kwargs)
 
