@@ -42,6 +42,9 @@ class _Recorder:
     def paged_decode_attention(self, q, *rest):
         return self.backend.paged_decode_attention(q, *rest)
 
+    def __getattr__(self, name: str):  # the backend's element-wise ops (rms_norm, RoPE…) pass through
+        return getattr(self.backend, name)
+
 
 def _attention_over(kvd: str, q, k, v, scale: float, block_size: int = 16) -> torch.Tensor:
     """Causal prefill attention of one sequence through a fresh cache of `kvd` (reference kernels)."""
