@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.model.packed_linear import ENV, PROJECTIONS, OneDNNLinear, pack_model
+from engine.model.packed_linear import ENV, PROJECTIONS, OneDNNLinear, applies, pack_model
 from tests.helpers import random_prompts
+
+# oneDNN's bf16 GEMM needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU (CI's) keeps nn.Linear in bf16
+BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 # fp32: the packed GEMM sums in another order than nn.Linear's; outputs here are O(1)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -30,8 +33,12 @@ def _linear(dtype: torch.dtype, out_features: int, in_features: int, bias: bool)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 2048])
 @pytest.mark.parametrize("bias", [False, True])  # Qwen2's qkv projection has a bias
-def test_packed_layer_matches_nn_linear(dtype, rows, bias):
+def test_packed_layer_matches_nn_linear(dtype, rows, bias, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
     linear = _linear(dtype, 960, 576, bias)
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        assert not applies(linear.weight)  # this CPU: the model keeps nn.Linear in bf16
+        return
     packed = OneDNNLinear(linear.weight, linear.bias, batch_hint=64)  # rows other than the hint too
     x = torch.randn(rows, 576).to(dtype)
     with torch.inference_mode():
@@ -49,6 +56,7 @@ def _generate(path: str, dtype: str, prompts, params: SamplingParams) -> tuple[l
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied lm_head; tied embedding + qkv bias
 def test_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_models, family, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
     path = str(tiny_models[family])
     prompts = random_prompts(5, (3, 70), seed=11)  # chunked prefills beside decodes: many row counts
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -64,9 +72,11 @@ def test_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_model
 
 
 def test_bf16_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_models, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
     prompts = random_prompts(3, (5, 40), seed=12)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    packed, _ = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
+    packed, llm = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
+    assert isinstance(llm.engine.model.layers[0].gate_up_proj, OneDNNLinear) == BF16_PACKS
     monkeypatch.setenv(ENV, "0")
     plain, _ = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
     assert packed == plain
@@ -75,7 +85,7 @@ def test_bf16_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_
 def test_a_layer_the_op_refuses_leaves_plain_nn_linear_and_one_log_line(tiny_models, capfd, monkeypatch):
     monkeypatch.setenv(ENV, "0")
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
-    monkeypatch.delenv(ENV)
+    monkeypatch.setenv(ENV, "1")
     prompts = random_prompts(2, (5, 20), seed=13)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     before = [o.token_ids for o in llm.generate(prompts, params)]

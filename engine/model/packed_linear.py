@@ -27,8 +27,13 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ENV = "KVTOP_PACKED_LINEAR"
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def onednn_available(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear exists in this torch, and for bf16 this CPU runs it (AVX-512 or
+    AVX-NE-CONVERT: an AVX2-only CPU keeps nn.Linear in bf16, as inductor does)."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()
 
 
 class OneDNNLinear(nn.Module):
@@ -40,6 +45,7 @@ class OneDNNLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self(weight.new_zeros(1, self.in_features))  # an op that fails on this CPU fails here, not mid-step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -51,7 +57,7 @@ def applies(weight: torch.Tensor) -> bool:
         os.environ.get(ENV, "1") != "0"
         and weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float32)
-        and onednn_available()
+        and onednn_available(weight.dtype)
     )
 
 
