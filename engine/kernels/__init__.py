@@ -1,5 +1,7 @@
-"""Paged-attention kernels: the same three functions in Triton (GPU), C++ for the CPU, and plain
-torch (the reference, the oracle the others are tested against).
+"""Kernel backends: the same functions — three of paged attention (`store_kv`, decode, prefill) and
+the decoder's element-wise ops (`rms_norm`, `fused_add_rms_norm`, `rotary_embedding`,
+`silu_and_mul`) — in Triton (GPU; it takes the reference's element-wise ops), C++ for the CPU, and
+plain torch (the reference, the oracle the others are tested against).
 
 `get_backend(name, device)` returns the module to call; `auto` picks Triton on CUDA and the C++
 CPU kernels elsewhere. When those cannot be built here, the reference serves (said once, in
