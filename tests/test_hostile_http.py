@@ -65,13 +65,16 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _stream_text(server, body: dict, into: dict) -> None:
-    """Collect a streamed completion's text and finish reason into `into`."""
+def _stream_text(server, body: dict, into: dict, started: threading.Event | None = None) -> None:
+    """Collect a streamed completion's text and finish reason into `into`; `started` is set at its
+    first chunk (the stream is in flight then)."""
     text, reasons = [], []
     with server.http(timeout=120) as http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         into["status"] = r.status_code
         for line in r.iter_lines():
             if line.startswith("data: {"):
+                if started is not None:
+                    started.set()
                 chunk = json.loads(line[6:])
                 text.append(chunk["choices"][0]["text"])
                 reasons.append(chunk["choices"][0]["finish_reason"])
@@ -80,13 +83,16 @@ def _stream_text(server, body: dict, into: dict) -> None:
 
 # ---- 1. every numeric field is range-checked; a failed step says why in the log ----------------
 def test_a_huge_top_k_is_a_400_and_a_greedy_stream_beside_it_completes_intact(server):
-    body = _completion(server, prompt="Once upon a time", max_tokens=48, temperature=0, ignore_eos=True)
+    # long enough to still be streaming while the 400s go by (the tiny model decodes a 48-token
+    # stream faster than a stats frame comes round, so the test now waits for its first chunk)
+    body = _completion(server, prompt="Once upon a time", max_tokens=200, temperature=0, ignore_eos=True)
     with server.http() as http:
         want = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     got: dict = {}
-    stream = threading.Thread(target=_stream_text, args=(server, body, got))
+    started = threading.Event()
+    stream = threading.Thread(target=_stream_text, args=(server, body, got, started))
     stream.start()
-    server.wait_for(lambda f: f["server"]["in_flight"] >= 1, what="the stream in flight")
+    assert started.wait(60), "the stream never started"
     with server.http() as http:
         for top_k in (2**63, 2**64 + 5, 10**20):
             _assert_400(http.post("/v1/completions", json=_completion(server, top_k=top_k)), "top_k")
