@@ -35,6 +35,7 @@ from engine.paths import cache_dir
 NAME = "kvtop_cpu_attention"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+HEADERS = [CSRC / "cephes_exp.h"]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they
@@ -64,7 +65,7 @@ def build_dir() -> Path:
     """Where this machine's build lives: a new source, torch, CPU or compiler means a new build."""
     digest = hashlib.sha256()
     for part in (
-        *(path.read_bytes() for path in SOURCES),
+        *(path.read_bytes() for path in SOURCES + HEADERS),
         torch.__version__,
         _cpu_flags(),
         " ".join(CFLAGS + LDFLAGS),

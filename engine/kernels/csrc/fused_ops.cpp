@@ -24,6 +24,7 @@
 // No a*b + c*d into fma: torch rounds each product and the sum, and RoPE in fp32 then matches it
 // bit for bit. (After the includes: only this file's functions.)
 #pragma GCC optimize("fp-contract=off")
+#include "cephes_exp.h"  // after the pragma: its polynomial is compiled as this file's own was
 
 namespace {
 
@@ -159,22 +160,13 @@ void rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, 
   });
 }
 
-// exp(x) in fp32 as Cephes' expf (within 2 ulp): n = round(x / ln 2), a degree-6 polynomial on
-// |r| <= ln 2 / 2, times 2^n built from exponent bits (2^(n-1) * 2, so n = 128 stays finite).
-// Unlike a call to expf it vectorizes. exp(x < -86) gives exp(-86); above 88.72 it is inf.
+// exp(x) in fp32 by cephes_exp.h, times 2^n built as 2^(n-1) * 2 (so n = 128 stays finite).
+// exp(x < -86) gives exp(-86); above 88.72 it is inf.
 inline float exp_fp32(float x) {
   const float xc = std::min(std::max(x, -86.f), 88.7f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.f;
+  const float n = kvtop_exp::exponent(xc);
   const float half_two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 126) << 23);
-  return x > 88.72283f ? std::numeric_limits<float>::infinity() : (e * half_two_n) * 2.f;
+  return x > 88.72283f ? std::numeric_limits<float>::infinity() : (kvtop_exp::reduced(xc, n) * half_two_n) * 2.f;
 }
 
 // out = round(round(g / (1 + exp(-g))) * u): torch's `F.silu(gate) * up`, silu's formula included.

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cephes_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -67,21 +69,11 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// exp(x) for x <= 0 (a score minus its row's running max), as Cephes' expf: n = round(x / ln 2),
-// exp(r) by a degree-6 polynomial on |r| <= ln 2 / 2, times 2^n from the exponent bits. Within
-// 2 ulp of expf, and unlike a call to expf it vectorizes (with -fno-trapping-math: see cpu.py).
+// exp(x) for x <= 0 (a score minus its row's running max), by cephes_exp.h.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // 2^n stays a normal float; exp(-87) is 1.6e-38, nothing next to 1
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.f;
-  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const float n = kvtop_exp::exponent(x);
+  return kvtop_exp::reduced(x, n) * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 // Softmax numerators of one row's visible scores in place; returns their sum.
@@ -278,16 +270,12 @@ inline __m512 load16(const T* p) {
 // exp(x) for x <= 0 on 16 lanes: exp_nonpositive's polynomial, lane-wise.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kvtop_exp::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kvtop_exp::kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kvtop_exp::kPoly[i]));
   const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
