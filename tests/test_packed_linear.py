@@ -8,11 +8,23 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.model.packed_linear import ENV, PROJECTIONS, OneDNNLinear, applies, pack_model
+from engine.model.packed_linear import (
+    ENV,
+    PROJECTIONS,
+    AMXLinear,
+    OneDNNLinear,
+    amx_available,
+    applies,
+    pack_model,
+    packed_linear,
+)
 from tests.helpers import random_prompts
 
 # oneDNN's bf16 GEMM needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU (CI's) keeps nn.Linear in bf16
 BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# our AMX tile kernel: Sapphire Rapids and later, with the kernel extension built for this CPU
+AMX = amx_available()
+BF16_KIND = AMXLinear if AMX else OneDNNLinear if BF16_PACKS else nn.Linear
 
 # fp32: the packed GEMM sums in another order than nn.Linear's; outputs here are O(1)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -49,6 +61,44 @@ def test_packed_layer_matches_nn_linear(dtype, rows, bias, monkeypatch):
     assert packed.weight.shape == linear.weight.shape and torch.equal(packed.weight.to_dense(), linear.weight)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 300, 2048])  # 1 or 2 A tiles, partial, several M blocks
+@pytest.mark.parametrize("shape", [(960, 576, True), (49152, 576, False), (100, 70, True), (576, 1536, False)])
+def test_the_bf16_layer_this_cpu_packs_matches_nn_linear(rows, shape, monkeypatch):
+    """AMX tiles where the CPU has them (else oneDNN's, else nn.Linear): within an ulp of nn.Linear for
+    any row count, SmolLM2's shapes and ones that pad N and K, with and without a bias."""
+    monkeypatch.delenv(ENV, raising=False)
+    out_features, in_features, bias = shape
+    linear = _linear(torch.bfloat16, out_features, in_features, bias)
+    if not BF16_PACKS:
+        assert not applies(linear.weight)
+        return
+    packed = packed_linear(linear.weight, linear.bias)
+    assert type(packed) is BF16_KIND
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, want = packed(x), linear(x)
+    assert got.shape == want.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, **BF16_TOL)
+    exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+    torch.testing.assert_close(got.float(), exact, **BF16_TOL)  # rounded once, from fp32 sums
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX: the test above checks the layer it gets instead")
+def test_amx_layer_reads_its_weight_back_and_takes_any_leading_shape(monkeypatch):
+    linear = _linear(torch.bfloat16, 100, 70, True)
+    packed = AMXLinear(linear.weight, linear.bias)
+    assert torch.equal(packed.dense_weight(), linear.weight)
+    x = torch.randn(2, 3, 70).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), **BF16_TOL)
+        torch.testing.assert_close(packed(x[:, 1]), linear(x[:, 1]), **BF16_TOL)  # rows not contiguous
+        assert packed(x[:0, 0]).shape == (0, 100)
+        with pytest.raises(RuntimeError, match="does not match the packed weight"):
+            packed(torch.randn(4, 64).to(torch.bfloat16))
+    monkeypatch.setenv(ENV, "onednn")  # to compare: oneDNN's even where AMX is there
+    assert type(packed_linear(linear.weight, linear.bias)) is OneDNNLinear
+
+
 def _generate(path: str, dtype: str, prompts, params: SamplingParams) -> tuple[list[list[int]], LLM]:
     llm = LLM(path, dtype=dtype, kv_cache_memory="2MiB", max_num_batched_tokens=32, quiet=True)
     return [o.token_ids for o in llm.generate(prompts, params)], llm
@@ -76,7 +126,8 @@ def test_bf16_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_
     prompts = random_prompts(3, (5, 40), seed=12)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed, llm = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
-    assert isinstance(llm.engine.model.layers[0].gate_up_proj, OneDNNLinear) == BF16_PACKS
+    assert type(llm.engine.model.layers[0].gate_up_proj) is BF16_KIND
+    assert type(llm.engine.model.logits_head) is BF16_KIND if BF16_PACKS else llm.engine.model.logits_head is None
     monkeypatch.setenv(ENV, "0")
     plain, _ = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
     assert packed == plain

@@ -1,0 +1,248 @@
+// bf16 linear layers on Intel AMX for the CPU engine's decode steps (issue #13).
+//
+// Why: a decode step multiplies a few rows (one per running sequence) by every weight of the model,
+// so it is bound by how fast the weights stream from memory. oneDNN's packed bf16 GEMM reads them at
+// 10-14 GB/s for 1..64 rows on a 2-core Sapphire Rapids whose memory gives 30-38 GB/s (MKL's fp32
+// GEMV reaches that): benchmarks/README.md, "AMX linear". Here the weight is laid out once as the
+// AMX B tiles in the exact order the kernel reads them (one sequential stream per 32 output columns),
+// and each tile is multiplied by every 16-row A tile of the activations while it is in L1.
+//
+// Layout of the packed weight W [N, K] (N padded to 32, K to 32): [N/32][K/32][2][16][32] bf16, where
+// tile (g, kb, h) row r holds, for the 16 columns n = 32g + 16h + c, the pair W[n, 32kb + 2r + {0,1}]
+// (the VNNI pairs TDPBF16PS takes). Products accumulate in fp32 in the tiles; the result is rounded
+// to bf16 once (nearest even), with the bias added in fp32 first. The order of the sums differs from
+// oneDNN's, so results differ from F.linear by at most the last bf16 bit or so (tests/test_packed_linear.py).
+//
+// The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
+// on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
+// built and `amx_supported()` is false. Where it is compiled, `amx_supported()` still asks the CPU
+// (CPUID) and Linux (arch_prctl permission for the tile data) once; engine/model/packed_linear.py
+// asks it before using any of this.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVTOP_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // rows of every tile
+constexpr int64_t kTileK = 32;     // bf16 elements of K per tile row (64 bytes)
+constexpr int64_t kGroupN = 32;    // output columns per group: two B tiles, read as one stream
+constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bf16 = 1 KiB
+constexpr int64_t kBlockM = 256;
+constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+#ifdef KVTOP_AMX
+
+bool amx_permitted() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  const bool avx512bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+  if (!(tile && bf16 && avx512bf16)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void release_tiles() { _tile_release(); }
+
+// Rows [m0, m0 + 32) (two A tiles, or one when TWO_A is false) against group g (two B tiles),
+// all of K; the 32 x 32 fp32 result into `acc` (row stride 32 floats).
+template <bool TWO_A>
+void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t kb_count,
+                                 float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO_A) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    const uint16_t* bt = b + kb * 2 * kTileElems;
+    if (kb + kPrefetchTiles < kb_count + kPrefetchTiles) {  // the next groups' tiles follow: prefetch past the end too
+      const char* ahead = reinterpret_cast<const char*>(bt + kPrefetchTiles * 2 * kTileElems);
+      for (int line = 0; line < 2 * kTileElems * 2 / 64; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, a + kb * kTileK, a_stride_bytes);
+    _tile_loadd(6, bt, 64);
+    _tile_loadd(7, bt + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO_A) {
+      _tile_loadd(5, a + kTileRows * a_stride_bytes / 2 + kb * kTileK, a_stride_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 32 * 4);
+  _tile_stored(1, acc + 16, 32 * 4);
+  if constexpr (TWO_A) {
+    _tile_stored(2, acc + 16 * 32, 32 * 4);
+    _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
+  }
+}
+
+// acc rows [0, rows) (+ bias) rounded to bf16 into out columns [n0, n0 + cols).
+void store_rows(const float* acc, int64_t rows, const float* bias, uint16_t* out, int64_t out_stride,
+                                 int64_t cols) {
+  const __mmask32 mask = cols >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << cols) - 1);
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1);
+    const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_mask_storeu_epi16(out + r * out_stride, mask, reinterpret_cast<__m512i>(packed));
+  }
+}
+
+// Groups [g0, g1) of M-block mb: every 32-row chunk of the block against each group's tiles.
+void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
+                                 const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
+                                 uint16_t* out, int64_t g0, int64_t g1) {
+  configure_tiles();
+  alignas(64) float acc[32 * 32];
+  alignas(64) float bias_pad[32];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
+    const float* bg = nullptr;
+    if (bias) {
+      std::fill(bias_pad, bias_pad + 32, 0.0f);
+      std::copy(bias + n0, bias + n0 + cols, bias_pad);
+      bg = bias_pad;
+    }
+    const uint16_t* wg = w + g * kb_count * 2 * kTileElems;
+    for (int64_t m = m_begin; m < m_end; m += 2 * kTileRows) {
+      const int64_t rows = std::min<int64_t>(2 * kTileRows, m_end - m);
+      const uint16_t* a = x + m * x_stride;
+      if (rows > kTileRows) tile_block<true>(a, x_stride * 2, wg, kb_count, acc);
+      else tile_block<false>(a, x_stride * 2, wg, kb_count, acc);
+      store_rows(acc, rows, bg, out + m * n + n0, n, cols);
+    }
+  }
+  release_tiles();
+}
+#endif  // KVTOP_AMX
+
+bool amx_supported() {
+#ifdef KVTOP_AMX
+  static const bool ok = amx_permitted();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] bf16 -> the tile layout above (zero padded).
+at::Tensor amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && !weight.is_cuda(),
+              "amx_pack: weight must be a 2-D bfloat16 CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t groups = round_up(n, kGroupN) / kGroupN, kbs = round_up(k, kTileK) / kTileK;
+  at::Tensor packed = at::zeros({groups, kbs, 2, kTileRows, kTileK}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t kb = 0; kb < kbs; ++kb)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t r = 0; r < kTileRows; ++r)
+            for (int64_t c = 0; c < 16; ++c) {
+              const int64_t col = g * kGroupN + h * 16 + c;
+              uint16_t* row = dst + (((g * kbs + kb) * 2 + h) * kTileRows + r) * kTileK + 2 * c;
+              for (int64_t p = 0; p < 2; ++p) {
+                const int64_t kk = kb * kTileK + 2 * r + p;
+                row[p] = (col < n && kk < k) ? src[col * k + kk] : 0;
+              }
+            }
+  });
+  return packed;
+}
+
+// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W given as amx_pack(W) and its N.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(amx_supported(), "amx_linear: this CPU or kernel does not allow AMX");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5,
+              "amx_linear: bfloat16 x and an amx_pack weight expected");
+  const int64_t k = x.size(-1), kbs = packed.size(1), groups = packed.size(0);
+  TORCH_CHECK(round_up(k, kTileK) == kbs * kTileK && round_up(n, kGroupN) == groups * kGroupN,
+              "amx_linear: x's last dim or n does not match the packed weight");
+  const at::Tensor x2 = x.reshape({-1, k});
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (m == 0) return out;
+  // A tiles read 16 full rows of 64 bytes: pad the rows to 16 and K to 32 (zeros) unless already so.
+  const int64_t m_pad = round_up(m, kTileRows), k_pad = kbs * kTileK;
+  at::Tensor a = x2;
+  if (m_pad != m || k_pad != k || x2.stride(1) != 1 || x2.stride(0) != k) {
+    a = at::zeros({m_pad, k_pad}, x.options());
+    a.narrow(0, 0, m).narrow(1, 0, k).copy_(x2);
+  }
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_linear: bias must be [n]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+#ifdef KVTOP_AMX
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t blocks = (m + kBlockM - 1) / kBlockM, a_stride = a.stride(0);
+  // one task = (M block, group); M-block major, so a thread's groups share that block's rows in L2
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
+    while (t0 < t1) {
+      const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1);
+      t0 += g1 - g0;
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("amx_supported() -> bool", &amx_supported);
+  m.def("amx_pack(Tensor weight) -> Tensor", &amx_pack);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &amx_linear);
+}
