@@ -13,8 +13,10 @@ from engine.model.packed_linear import (
     PROJECTIONS,
     AMXLinear,
     OneDNNLinear,
+    SmallBatchLinear,
     amx_available,
     applies,
+    fp32_kernel_available,
     pack_model,
     packed_linear,
 )
@@ -25,6 +27,8 @@ BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # our AMX tile kernel: Sapphire Rapids and later, with the kernel extension built for this CPU
 AMX = amx_available()
 BF16_KIND = AMXLinear if AMX else OneDNNLinear if BF16_PACKS else nn.Linear
+# fp32: MKL's sgemm through nn.Linear, and on AVX-512 our kernel for a decode step's few rows
+FP32_KIND = SmallBatchLinear if fp32_kernel_available() else nn.Linear
 
 # fp32: the packed GEMM sums in another order than nn.Linear's; outputs here are O(1)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -160,8 +164,42 @@ def test_float16_keeps_nn_linear(tiny_models):
     assert getattr(llm.engine.model, "logits_head", None) is None
 
 
-def test_float32_keeps_nn_linear_unless_asked(tiny_models, monkeypatch):
-    """By default fp32 stays on nn.Linear (MKL's GEMM), which measured faster end to end than packed."""
+def test_float32_keeps_its_weights_unpacked_unless_asked(tiny_models, monkeypatch):
+    """By default fp32 is not packed (MKL's GEMM measured faster end to end than packed): its layers
+    keep their weight Parameters, with our kernel for few rows where the CPU has AVX-512."""
     monkeypatch.delenv(ENV, raising=False)
-    llm = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
-    assert type(llm.engine.model.layers[0].qkv_proj) is nn.Linear
+    llm = LLM(str(tiny_models["smollm-tied"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
+    model = llm.engine.model
+    assert type(model.layers[0].qkv_proj) is FP32_KIND
+    if FP32_KIND is SmallBatchLinear:  # the logits share the tied embedding: no second copy
+        assert model.logits_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])  # the kernel up to 16 rows, MKL above
+@pytest.mark.parametrize("shape", [(960, 576, True), (100, 70, False), (49152, 576, False)])
+def test_fp32_small_batch_layer_matches_nn_linear(rows, shape):
+    out_features, in_features, bias = shape
+    linear = _linear(torch.float32, out_features, in_features, bias)
+    layer = SmallBatchLinear.around(linear.weight, linear.bias)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        if not fp32_kernel_available():  # no AVX-512: the engine keeps nn.Linear (checked above)
+            return
+        got = layer(x)
+        torch.testing.assert_close(got, linear(x), **FP32_TOL)
+        exact = (x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)).float()
+        torch.testing.assert_close(got, exact, **FP32_TOL)
+        torch.testing.assert_close(layer(x.reshape(1, rows, in_features)), got.reshape(1, rows, -1), **FP32_TOL)
+
+
+def test_fp32_engine_gives_the_same_greedy_tokens_with_and_without_the_small_batch_kernel(tiny_models, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    path = str(tiny_models["qwen2"])  # qkv bias
+    prompts = random_prompts(5, (3, 70), seed=14)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ours, llm = _generate(path, "float32", prompts, params)
+    assert type(llm.engine.model.layers[0].qkv_proj) is FP32_KIND
+    monkeypatch.setenv(ENV, "0")
+    plain, plain_llm = _generate(path, "float32", prompts, params)
+    assert type(plain_llm.engine.model.layers[0].qkv_proj) is nn.Linear
+    assert ours == plain
