@@ -83,7 +83,7 @@ void release_tiles() { _tile_release(); }
 
 // Rows [m0, m0 + 32) (two A tiles, or one when TWO_A is false) against group g (two B tiles),
 // all of K; the 32 x 32 fp32 result into `acc` (row stride 32 floats).
-template <bool TWO_A>
+template <bool TWO_A, bool PREFETCH>
 void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t kb_count,
                                  float* acc) {
   _tile_zero(0);
@@ -94,7 +94,7 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
   }
   for (int64_t kb = 0; kb < kb_count; ++kb) {
     const uint16_t* bt = b + kb * 2 * kTileElems;
-    if (kb + kPrefetchTiles < kb_count + kPrefetchTiles) {  // the next groups' tiles follow: prefetch past the end too
+    if constexpr (PREFETCH) {  // the first pass over a group streams it in; later passes find it in cache
       const char* ahead = reinterpret_cast<const char*>(bt + kPrefetchTiles * 2 * kTileElems);
       for (int line = 0; line < 2 * kTileElems * 2 / 64; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
     }
@@ -150,8 +150,14 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
     for (int64_t m = m_begin; m < m_end; m += 2 * kTileRows) {
       const int64_t rows = std::min<int64_t>(2 * kTileRows, m_end - m);
       const uint16_t* a = x + m * x_stride;
-      if (rows > kTileRows) tile_block<true>(a, x_stride * 2, wg, kb_count, acc);
-      else tile_block<false>(a, x_stride * 2, wg, kb_count, acc);
+      // the first pass over the group prefetches ahead (into the next group: the weight is one stream)
+      if (m == m_begin) {
+        if (rows > kTileRows) tile_block<true, true>(a, x_stride * 2, wg, kb_count, acc);
+        else tile_block<false, true>(a, x_stride * 2, wg, kb_count, acc);
+      } else {
+        if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, acc);
+        else tile_block<false, false>(a, x_stride * 2, wg, kb_count, acc);
+      }
       store_rows(acc, rows, bg, out + m * n + n0, n, cols);
     }
   }
