@@ -228,3 +228,43 @@ def test_a_table_that_does_not_cover_the_context_is_an_error_not_a_crash():
     bad[3, 0] = k.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="not a block of the cache"):
         cpu.paged_decode_attention(q, k, v, bad, lens, scale)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "int8", "fp8"])
+def test_store_kv_writes_what_the_reference_writes(kind):
+    """The C++ copy per token (caches of k's dtype) and the reference's quantizing store (int8, fp8):
+    the same bytes in every slot, -1 slots skipped, k and v taken as the qkv split's strided views."""
+    torch.manual_seed(5)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(kind, torch.float32)
+    cache_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kind, dtype)
+    tokens, kv_heads, head_dim, num_blocks, block_size = 37, 3, 64, 8, 16
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
+    q_size, kv_size = 9 * head_dim, kv_heads * head_dim
+    _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[[0, 5, 36]] = -1  # padding
+    scales = (
+        (torch.ones(num_blocks, block_size, kv_heads), torch.ones(num_blocks, block_size, kv_heads))
+        if kind == "int8"
+        else (torch.tensor(0.05), torch.tensor(0.07)) if kind == "fp8" else (None, None)
+    )
+    caches = {}
+    for name, backend in (("cpu", cpu), ("ref", ref)):
+        kc = torch.zeros(num_blocks, block_size, kv_heads, head_dim).to(cache_dtype)
+        vc = torch.zeros_like(kc)
+        sc = tuple(s.clone() if s is not None and s.dim() else s for s in scales)
+        backend.store_kv(k, v, kc, vc, slots, *sc)
+        caches[name] = (kc, vc, sc)
+    for got, want in zip(caches["cpu"][:2], caches["ref"][:2], strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert int(caches["cpu"][0].view(torch.uint8).count_nonzero()) > 0  # something was written
+    if kind == "int8":
+        assert all(torch.equal(a, b) for a, b in zip(caches["cpu"][2], caches["ref"][2], strict=True))
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache():
+    k = torch.randn(2, 3, 64)
+    kc = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(RuntimeError, match="not a slot of the cache"):
+        cpu.store_kv(k, k, kc, kc.clone(), torch.tensor([3, 64]))

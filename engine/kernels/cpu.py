@@ -27,8 +27,6 @@ import torch
 from engine.kernels import reference
 from engine.kernels.cpu_prefill import sdpa_pays, sdpa_prefill_attention
 
-# Writing K/V is an index_put over the new tokens' slots: the reference's is already in place.
-from engine.kernels.reference import store_kv  # noqa: F401
 from engine.log import log
 from engine.paths import cache_dir
 
@@ -178,6 +176,18 @@ def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
     if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK and sdpa_pays(cu, lens):
         return sdpa_prefill_attention(*args, **kwargs)
     return inplace_prefill_attention(*args, **kwargs)
+
+
+_STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.wraps(reference.store_kv)
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    # a cache of key's own dtype is a copy per token (csrc/fused_ops.cpp); int8/fp8 quantize in torch
+    if k_cache.dtype == key.dtype and k_cache.dtype in _STORE_DTYPES:
+        torch.ops.kvtop_cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 # The decoder layer's element-wise ops (`csrc/fused_ops.cpp`): one pass each, the reference's

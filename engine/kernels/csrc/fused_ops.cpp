@@ -1,5 +1,5 @@
 // Fused element-wise ops of the decoder layer on the CPU: RMSNorm (alone, and after the residual
-// add), RoPE (neox style, in place on q and k) and SiLU-and-mul. Each makes one pass over its
+// add), RoPE (neox style, in place on q and k) and SiLU-and-mul; and the KV store (a copy per token). Each makes one pass over its
 // rows where the torch code (engine/kernels/reference.py, the oracle) makes several, and rounds
 // where torch's ops round: arithmetic in fp32, and for bfloat16 every intermediate that torch
 // stores as a bf16 tensor rounded to bf16 (nearest even) at the same point. float32 and bfloat16;
@@ -19,6 +19,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 // No a*b + c*d into fma: torch rounds each product and the sum, and RoPE in fp32 then matches it
@@ -245,9 +246,53 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// The reference's store_kv for a cache of k's own dtype (float32, bfloat16, float16): each token's
+// [kv_heads, head_dim] rows of k and v copied into its slot, slot -1 skipped. One op where the torch
+// code makes six (a mask, a sync on it, two views, two index_puts): 30 layers, every step.
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2), "cache rows do not match key's");
+  for (const at::Tensor* t : {&value, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == key.scalar_type(), "key, value and the caches must share a dtype");
+  }
+  TORCH_CHECK(!key.is_cuda() && !k_cache.is_cuda(), "store_kv: CPU tensors expected");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [tokens]");
+  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), slots = k_cache.size(0) * k_cache.size(1);
+  const at::Tensor slot = slot_mapping.contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < slots, "slot ", sp[t], " is not a slot of the cache");
+  }
+  // rows of one token are one run when head_dim and kv_heads are contiguous (the qkv split's views are)
+  const bool runs = key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                    value.stride(1) == value.size(2);
+  const at::Tensor k = runs ? key : key.contiguous(), v = runs ? value : value.contiguous();
+  const int64_t bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, tokens, grain(2 * row), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &store_kv);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &fused_add_rms_norm);
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_embedding);
