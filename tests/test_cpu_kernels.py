@@ -247,7 +247,9 @@ def test_store_kv_writes_what_the_reference_writes(kind):
     scales = (
         (torch.ones(num_blocks, block_size, kv_heads), torch.ones(num_blocks, block_size, kv_heads))
         if kind == "int8"
-        else (torch.tensor(0.05), torch.tensor(0.07)) if kind == "fp8" else (None, None)
+        else (torch.tensor(0.05), torch.tensor(0.07))
+        if kind == "fp8"
+        else (None, None)
     )
     caches = {}
     for name, backend in (("cpu", cpu), ("ref", ref)):

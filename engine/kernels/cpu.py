@@ -26,7 +26,6 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.cpu_prefill import sdpa_pays, sdpa_prefill_attention
-
 from engine.log import log
 from engine.paths import cache_dir
 
