@@ -8,13 +8,13 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
 
 - `AMXLinear`, where the CPU has AMX (Sapphire Rapids and later) and the kernel extension built:
   our own tile kernel (engine/kernels/csrc/amx_linear.cpp), which streams the weights of a decode
-  step at 21-35 GB/s where oneDNN's reaches 10-14 (1-32 rows: 1.6-2.2x faster; about even with
-  oneDNN at 64-2,048 rows). One copy of the weight, in its tile layout.
+  step at 20-24 GB/s where oneDNN's reached 7-12 (1-32 rows: 1.8-2.4x faster; about even with
+  oneDNN at 64-2,048 rows; benchmarks/linear.py). One copy of the weight, in its tile layout.
 - `OneDNNLinear` otherwise (AVX-512 without AMX, or the extension missing): oneDNN's packed GEMM.
 
 fp32 is not packed by default (oneDNN's packed fp32 measured slower end to end than MKL's sgemm), but
 on AVX-512 its layers become `SmallBatchLinear`: the same weight, and for up to 16 rows (a decode
-step's batch) our dot-product kernel (engine/kernels/csrc/fp32_linear.cpp), 1.5-2.3x MKL's sgemm
+step's batch) our dot-product kernel (engine/kernels/csrc/fp32_linear.cpp), 1.4-2.1x MKL's sgemm
 at 4-16 rows; more rows go to MKL as before.
 
 `KVTOP_PACKED_LINEAR=0` turns packing (and the fp32 small-batch kernel) off, `=onednn` uses oneDNN's even where AMX is there, and
@@ -140,11 +140,20 @@ def _small_batch_fp32(model: nn.Module) -> bool:
         return False
     if weight.dtype in packed_dtypes() or not fp32_kernel_available():
         return False
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    if not all(w.is_contiguous() for w in [head, *(linear.weight for linear in linears)]):
+        return False  # the kernel reads W's rows in place
+    try:  # an op that fails on this CPU fails here, not mid-step
+        probe = SmallBatchLinear.around(linears[0].weight, linears[0].bias)
+        probe(weight.new_zeros(1, probe.in_features))
+    except Exception as exc:
+        log(f"fp32 small-batch linear kernel off ({type(exc).__name__}: {exc}); using nn.Linear")
+        return False
     for layer in model.layers:
         for name in PROJECTIONS:
             linear = getattr(layer, name)
             setattr(layer, name, SmallBatchLinear.around(linear.weight, linear.bias))
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_head = SmallBatchLinear.around(head, None)  # a tied embedding: the same Parameter
     return True
 

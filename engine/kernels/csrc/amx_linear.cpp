@@ -2,8 +2,8 @@
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight of the model,
 // so it is bound by how fast the weights stream from memory. oneDNN's packed bf16 GEMM reads them at
-// 10-14 GB/s for 1..64 rows on a 2-core Sapphire Rapids whose memory gives 30-38 GB/s (MKL's fp32
-// GEMV reaches that): benchmarks/README.md, "AMX linear". Here the weight is laid out once as the
+// 7-14 GB/s for 1..64 rows on a 2-core Sapphire Rapids whose memory gives 30-38 GB/s (MKL's fp32
+// GEMV reaches that): benchmarks/linear.py, and benchmarks/README.md's "Decode-step linears". Here the weight is laid out once as the
 // AMX B tiles in the exact order the kernel reads them (one sequential stream per 32 output columns),
 // and each tile is multiplied by every 16-row A tile of the activations while it is in L1.
 //
