@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels import cpu
+from engine.model.packed_linear import _pack_tiles
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576)}
 
@@ -79,7 +80,7 @@ def main() -> None:
         if dtype == "bfloat16":
             lib = "oneDNN packed"
             theirs = {n: [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws] for n, ws in layers.items()}
-            ours = {n: [ops.amx_pack(w) for w in ws] for n, ws in layers.items()}
+            ours = {n: [_pack_tiles(w) for w in ws] for n, ws in layers.items()}
 
             their_fn, our_fn_for = onednn_linear, amx_linear_for
         else:

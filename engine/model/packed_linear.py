@@ -66,20 +66,39 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+# amx_linear's weight layout [N/32, K/32, 2, 16, 32] (csrc/amx_linear.cpp): tile (g, kb, h) row r
+# holds, for its 16 columns n = 32g + 16h + c, the pair W[n, 32kb + 2r + p] (TDPBF16PS's VNNI pairs).
+# As a view of the padded dense weight that is [g, h, c, kb, r, p] permuted to [g, kb, h, r, c, p].
+_TILE_ORDER = (0, 3, 1, 4, 2, 5)
+
+
+def _pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight, zero-padded to multiples of 32, in amx_linear's tile layout."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, -k % 32, 0, -n % 32))
+    groups, kbs = padded.shape[0] // 32, padded.shape[1] // 32
+    tiles = padded.view(groups, 2, 16, kbs, 16, 2).permute(_TILE_ORDER)
+    return tiles.reshape(groups, kbs, 2, 16, 32).contiguous()
+
+
 def _unpack_tiles(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """amx_pack's layout [N/32, K/32, 2, 16, 32] (tile row r holds the pairs W[n, 32kb + 2r + p] of its
-    16 columns) back to the dense [N, K] weight."""
+    """`_pack_tiles` undone: the dense [N, K] weight."""
     groups, kbs = packed.shape[:2]
-    tiles = packed.reshape(groups, kbs, 2, 16, 16, 2)  # g, kb, h, r, c, p
-    dense = tiles.permute(0, 2, 4, 1, 3, 5).reshape(groups * 32, kbs * 32)  # n = (g, h, c), k = (kb, r, p)
+    inverse = tuple(sorted(range(6), key=_TILE_ORDER.__getitem__))
+    dense = packed.view(groups, kbs, 2, 16, 16, 2).permute(inverse).reshape(groups * 32, kbs * 32)
     return dense[:out_features, :in_features].contiguous()
+
+
+def _kernel_says(question: str) -> bool:
+    """The kernel extension built here, and its `question` op (amx_supported, fp32_linear_supported) says yes."""
+    from engine.kernels import cpu
+
+    return cpu.load() and bool(getattr(torch.ops.kvtop_cpu, question)())
 
 
 def amx_available() -> bool:
     """The kernel extension built here and this CPU and kernel allow AMX tiles."""
-    from engine.kernels import cpu
-
-    return cpu.load() and bool(torch.ops.kvtop_cpu.amx_supported())
+    return _kernel_says("amx_supported")
 
 
 class AMXLinear(nn.Module):
@@ -89,12 +108,14 @@ class AMXLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(torch.ops.kvtop_cpu.amx_pack(weight.detach()), requires_grad=False)
+        self.weight = nn.Parameter(_pack_tiles(weight), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # the kernel adds the bias in fp32: converted once here, not on every call
+        self.register_buffer("bias_fp32", None if bias is None else bias.detach().float(), persistent=False)
         self(weight.new_zeros(1, self.in_features))  # an op that fails here fails at load, not mid-step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvtop_cpu.amx_linear(x, self.weight, self.bias, self.out_features)
+        return torch.ops.kvtop_cpu.amx_linear(x, self.weight, self.bias_fp32, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         return _unpack_tiles(self.weight, self.out_features, self.in_features)
@@ -128,9 +149,7 @@ class SmallBatchLinear(nn.Linear):
 
 def fp32_kernel_available() -> bool:
     """The kernel extension built here with its AVX-512 fp32 linear."""
-    from engine.kernels import cpu
-
-    return cpu.load() and bool(torch.ops.kvtop_cpu.fp32_linear_supported())
+    return _kernel_says("fp32_linear_supported")
 
 
 def _small_batch_fp32(model: nn.Module) -> bool:

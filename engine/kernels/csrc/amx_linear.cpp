@@ -7,7 +7,8 @@
 // AMX B tiles in the exact order the kernel reads them (one sequential stream per 32 output columns),
 // and each tile is multiplied by every 16-row A tile of the activations while it is in L1.
 //
-// Layout of the packed weight W [N, K] (N padded to 32, K to 32): [N/32][K/32][2][16][32] bf16, where
+// Layout of the packed weight W [N, K] (N padded to 32, K to 32; built by engine/model/packed_linear.py's
+// _pack_tiles, which holds the inverse too): [N/32][K/32][2][16][32] bf16, where
 // tile (g, kb, h) row r holds, for the 16 columns n = 32g + 16h + c, the pair W[n, 32kb + 2r + {0,1}]
 // (the VNNI pairs TDPBF16PS takes). Products accumulate in fp32 in the tiles; the result is rounded
 // to bf16 once (nearest even), with the bias added in fp32 first. The order of the sums differs from
@@ -174,38 +175,12 @@ bool amx_supported() {
 #endif
 }
 
-// W [N, K] bf16 -> the tile layout above (zero padded).
-at::Tensor amx_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && !weight.is_cuda(),
-              "amx_pack: weight must be a 2-D bfloat16 CPU tensor");
-  const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  const int64_t groups = round_up(n, kGroupN) / kGroupN, kbs = round_up(k, kTileK) / kTileK;
-  at::Tensor packed = at::zeros({groups, kbs, 2, kTileRows, kTileK}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t kb = 0; kb < kbs; ++kb)
-        for (int64_t h = 0; h < 2; ++h)
-          for (int64_t r = 0; r < kTileRows; ++r)
-            for (int64_t c = 0; c < 16; ++c) {
-              const int64_t col = g * kGroupN + h * 16 + c;
-              uint16_t* row = dst + (((g * kbs + kb) * 2 + h) * kTileRows + r) * kTileK + 2 * c;
-              for (int64_t p = 0; p < 2; ++p) {
-                const int64_t kk = kb * kTileK + 2 * r + p;
-                row[p] = (col < n && kk < k) ? src[col * k + kk] : 0;
-              }
-            }
-  });
-  return packed;
-}
-
-// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W given as amx_pack(W) and its N.
+// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W given in the tile layout (engine/model/packed_linear.py's
+// _pack_tiles) and its N; the bias (if any) in fp32.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(amx_supported(), "amx_linear: this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5,
-              "amx_linear: bfloat16 x and an amx_pack weight expected");
+              "amx_linear: bfloat16 x and a tile-layout weight expected");
   const int64_t k = x.size(-1), kbs = packed.size(1), groups = packed.size(0);
   TORCH_CHECK(round_up(k, kTileK) == kbs * kTileK && round_up(n, kGroupN) == groups * kGroupN,
               "amx_linear: x's last dim or n does not match the packed weight");
@@ -249,6 +224,5 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("amx_supported() -> bool", &amx_supported);
-  m.def("amx_pack(Tensor weight) -> Tensor", &amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &amx_linear);
 }

@@ -1,7 +1,7 @@
 // Fused element-wise ops of the decoder layer on the CPU: RMSNorm (alone, and after the residual
-// add), RoPE (neox style, in place on q and k) and SiLU-and-mul; and the KV store (a copy per token). Each makes one pass over its
-// rows where the torch code (engine/kernels/reference.py, the oracle) makes several, and rounds
-// where torch's ops round: arithmetic in fp32, and for bfloat16 every intermediate that torch
+// add), RoPE (neox style, in place on q and k), SiLU-and-mul, and the KV store. Each makes one
+// pass over its rows where the torch code (engine/kernels/reference.py, the oracle) makes several,
+// and rounds where torch's ops round: arithmetic in fp32, and for bfloat16 every intermediate that torch
 // stores as a bf16 tensor rounded to bf16 (nearest even) at the same point. float32 and bfloat16;
 // engine/kernels/cpu.py sends other dtypes to the reference.
 //
