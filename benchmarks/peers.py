@@ -15,6 +15,14 @@ Workloads: fixed, 64 prompts × 256 random token ids × 128 output tokens; mixed
 first. Reported: output tok/s (wall) and output tokens per CPU-second of the engine's process tree
 (vLLM's engine core included), which moves less than wall time when others share the machine, and
 how many requests' first 16 tokens equal ours (a check that the same weights and prompts went in).
+
+A shared machine moves by a third between identical runs, so one run of each engine can put a quiet
+minute against a busy one. `--repeats N` runs each workload N times in each engine's process;
+`--rounds N` starts every engine N times, taking them in turn (ours, vLLM, transformers, then the
+other way round, ...), so that each engine has runs spread over the same stretch of time. The table
+gives each engine's best and median tok/s over all its runs and the ratios of both.
+
+    .venv/bin/python benchmarks/peers.py --dtype bfloat16 --workload fixed --rounds 3 --repeats 2
 """
 
 from __future__ import annotations
@@ -74,7 +82,9 @@ def timed(generate, prompts, out_lens) -> dict:
     tokens = generate(prompts, out_lens)
     wall, cpu = time.perf_counter() - t0, tree_cpu_seconds() - c0
     assert [len(t) for t in tokens] == out_lens, "an engine stopped early despite ignore_eos"
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "load_after": os.getloadavg()[0]}
+    n_tok = sum(out_lens)
+    return {"wall_s": wall, "cpu_s": cpu, "tok_s": n_tok / wall, "tok_cpu_s": n_tok / cpu, "tokens": tokens,
+            "load_after": os.getloadavg()[0]}  # fmt: skip
 
 
 def ours_generator(spec: dict):
@@ -133,7 +143,13 @@ def worker(kind: str, spec_path: str, out_path: str) -> None:
     )
     result = {"engine": kind, "dtype": spec["dtype"], "info": info, "start_s": time.perf_counter() - t0}
     timed(generate, *spec["warmup"])
-    result["runs"] = {name: timed(generate, *w) for name, w in spec["workloads"].items()}
+    result["runs"] = {name: [] for name in spec["workloads"]}
+    for i in range(spec.get("repeats", 1)):
+        for name, w in spec["workloads"].items():
+            run = timed(generate, *w)
+            if i:  # the first run's tokens are the ones compared; the others only must be as long
+                run["tokens"] = None
+            result["runs"][name].append(run)
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -180,9 +196,33 @@ def agreement(ours: list[list[int]], other: list[list[int]]) -> int:
     return sum(a[:AGREE_TOKENS] == b[:AGREE_TOKENS] for a, b in zip(ours, other, strict=True))
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def merge_rounds(results: list[dict]) -> list[dict]:
+    """One entry per (dtype, engine): the runs of every round together, the first round's tokens."""
+    merged: dict[tuple[str, str], dict] = {}
+    for r in results:
+        key = (r["dtype"], r["engine"])
+        if key not in merged or "error" in merged[key]:
+            merged[key] = {**r, "loads_before": [r.get("load_before", 0.0)]}
+            continue
+        if "error" in r:
+            continue
+        into = merged[key]
+        into["loads_before"].append(r.get("load_before", 0.0))
+        for name, runs in r["runs"].items():
+            into["runs"][name] = into["runs"][name] + [{**run, "tokens": None} for run in runs]
+    return list(merged.values())
+
+
 def print_table(results: list[dict]) -> None:
-    head = f"{'dtype':9} {'workload':8} {'engine':13} {'tok/s':>8} {'tok/CPU-s':>10} {'ours/x':>7} "
-    print("\n" + head + f"{'ours/x CPU':>10} {'load':>9} {'first ' + str(AGREE_TOKENS) + ' = ours':>14}")
+    head = f"{'dtype':9} {'workload':8} {'engine':13} {'runs':>4} {'tok/s best':>10} {'median':>8} {'tok/CPU-s':>9} "
+    head += f"{'ours/x best':>11} {'median':>7} {'CPU':>6} {'load':>9} {'first ' + str(AGREE_TOKENS) + ' = ours':>14}"
+    print("\n" + head)
     for dtype in dict.fromkeys(r["dtype"] for r in results):
         rows = [r for r in results if r["dtype"] == dtype]
         ours = next((r for r in rows if r["engine"] == "ours" and "runs" in r), None)
@@ -191,20 +231,24 @@ def print_table(results: list[dict]) -> None:
                 if "error" in r:
                     print(f"{dtype:9} {name:8} {r['engine']:13} failed: {r['error'].splitlines()[-1][:80]}")
                     continue
-                run, n_tok = r["runs"][name], sum(len(t) for t in r["runs"][name]["tokens"])
-                tps, tpc = n_tok / run["wall_s"], n_tok / run["cpu_s"]
-                line = f"{dtype:9} {name:8} {r['engine']:13} {tps:8.1f} {tpc:10.1f} "
+                runs = r["runs"][name]
+                best, med = max(x["tok_s"] for x in runs), median([x["tok_s"] for x in runs])
+                tpc = max(x["tok_cpu_s"] for x in runs)
+                load = f"{min(r['loads_before']):4.1f}/{max(x['load_after'] for x in runs):<4.1f}"
+                line = f"{dtype:9} {name:8} {r['engine']:13} {len(runs):4} {best:10.1f} {med:8.1f} {tpc:9.1f} "
                 if ours and r is not ours:
                     o = ours["runs"][name]
-                    o_tps, o_tpc = n_tok / o["wall_s"], n_tok / o["cpu_s"]
-                    same = agreement(o["tokens"], run["tokens"])
-                    line += f"{o_tps / tps:6.2f}x {o_tpc / tpc:9.2f}x "
-                    line += f"{r['load_before']:4.1f}/{run['load_after']:<4.1f} {same:>6}/{len(run['tokens'])}"
+                    o_best, o_med = max(x["tok_s"] for x in o), median([x["tok_s"] for x in o])
+                    o_tpc = max(x["tok_cpu_s"] for x in o)
+                    same = agreement(o[0]["tokens"], runs[0]["tokens"])
+                    line += f"{o_best / best:10.2f}x {o_med / med:6.2f}x {o_tpc / tpc:5.2f}x "
+                    line += f"{load} {same:>6}/{len(runs[0]['tokens'])}"
                 else:
-                    line += f"{'':7} {'':10} {r.get('load_before', 0):4.1f}/{run['load_after']:<4.1f}"
+                    line += f"{'':11} {'':7} {'':6} {load}"
                 print(line)
-    print("tok/s: output tokens per wall second; tok/CPU-s: per CPU-second of the engine's process tree;")
-    print("ours/x: our figure over that engine's; load: 1-min load average before the engine started/after the run")
+    print("tok/s: output tokens per wall second, best and median of the runs; tok/CPU-s: per CPU-second of the")
+    print("engine's process tree (best); ours/x: our figure over that engine's; load: lowest 1-min load average")
+    print("before the engine started / highest after a run")
 
 
 def offline(args) -> list[dict]:
@@ -216,18 +260,22 @@ def offline(args) -> list[dict]:
         loads = {k: (p, [args.output_len] * len(p)) for k, (p, _) in loads.items()}
     warm = workloads(["fixed"], 4)["fixed"]
     results = []
-    for dtype in args.dtype:
-        for kind in args.engines:
-            if kind == "vllm" and vllm_python() is None:
-                results.append({"engine": kind, "dtype": dtype, "error": "no .venv-vllm: run `make vllm`"})
-                continue
-            spec = {"dtype": dtype, "model_dir": model_dir, "kv_gib": args.kv_gib, "workloads": loads,
-                    "warmup": (warm[0], [8] * 4), "attention_backend": args.attention_backend,
-                    "enforce_eager": args.enforce_eager}  # fmt: skip
-            print(f"{dtype} {kind}: running ({', '.join(loads)})…", file=sys.stderr, flush=True)
-            r = run_worker(kind, spec, args.timeout)
-            results.append(r)
-            print(f"  {'failed: ' + r['error'][-300:] if 'error' in r else 'done'}", file=sys.stderr, flush=True)
+    for rnd in range(args.rounds):
+        for dtype in args.dtype:
+            for kind in args.engines if rnd % 2 == 0 else args.engines[::-1]:
+                if kind == "vllm" and vllm_python() is None:
+                    results.append({"engine": kind, "dtype": dtype, "error": "no .venv-vllm: run `make vllm`"})
+                    continue
+                spec = {"dtype": dtype, "model_dir": model_dir, "kv_gib": args.kv_gib, "workloads": loads,
+                        "warmup": (warm[0], [8] * 4), "attention_backend": args.attention_backend,
+                        "enforce_eager": args.enforce_eager, "repeats": args.repeats}  # fmt: skip
+                where = f"round {rnd + 1}/{args.rounds} " if args.rounds > 1 else ""
+                what = f"{', '.join(loads)} × {args.repeats}"
+                print(f"{where}{dtype} {kind}: running ({what})…", file=sys.stderr, flush=True)
+                r = run_worker(kind, spec, args.timeout)
+                results.append(r)
+                print(f"  {'failed: ' + r['error'][-300:] if 'error' in r else 'done'}", file=sys.stderr, flush=True)
+    results = merge_rounds(results)
     print_table(results)
     return results
 
@@ -242,6 +290,8 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: ours,vllm,transformers")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="offline: runs of each workload in each engine's process")
+    ap.add_argument("--rounds", type=int, default=1, help="offline: start every engine this many times, in turn")
     ap.add_argument("--kv-gib", type=int, default=3, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--attention-backend", default="cpu", help="ours: cpu (default), reference, auto")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
@@ -253,6 +303,8 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.spec, args.out)
     args.dtype, args.workload, args.engines = (s.split(",") for s in (args.dtype, args.workload, args.engines))
+    if args.repeats < 1 or args.rounds < 1:
+        ap.error("--repeats and --rounds must be at least 1")
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start", flush=True)
     if args.serving:
         from serving_peers import serving
