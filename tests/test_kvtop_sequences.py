@@ -12,6 +12,8 @@ from textual import events
 
 from engine.snapshot import Snapshot, read_snapshot, write_snapshot
 from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.messages import SortChosen
+from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
@@ -159,3 +161,36 @@ async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
         assert table.cursor_row == 6 and app.state.selected_seq == table.ids[6]
         await pilot.double_click(SequencesTable, offset=(3, 2))  # a double click opens a row at once
         assert isinstance(app.screen, SequenceScreen) and app.screen.seq_id == table.ids[table.top + 1]
+
+
+@pytest.mark.anyio
+async def test_a_narrow_panel_hides_the_least_needed_columns_not_the_latencies():
+    """The 120x40 overview's sequences panel cannot hold every column: blocks (its KV MiB says as
+    much), then cached, age, prompt go, so TTFT and ITL stay whole and clickable; the column sorted
+    by never goes; a wide panel shows them all."""
+    snap = read_snapshot(STORM)
+    itl = {s["id"]: s.get("itl_s") for s in snap.frames[-1]["sequences"]}
+    app = KvtopApp(ReplaySource(snap))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("G")
+        await pilot.pause(0.2)
+        table = app.query_one(SequencesTable)
+        lines = table_lines(app)
+        assert lines[0].split()[-2:] == ["TTFT", "ITL"] and "blks" not in lines[0].split()
+        rows = lines[1 : 1 + len(table.ids)]
+        assert rows and all("…" not in row for row in rows)  # no cell cut
+        assert [row.split()[-1] for row in rows] == [fmt.secs(itl[i]) if itl[i] is not None else "-" for i in table.ids]
+
+        await pilot.click(SequencesTable, offset=(1 + lines[0].index("ITL") + 1, 0))
+        assert app.state.sort == "itl"  # a header's place still maps to its own column
+
+        app.on_sort_chosen(SortChosen("blocks"))
+        await pilot.pause(0.2)
+        assert "blks↓" in table_lines(app)[0].split()  # the column sorted by shows, narrow or not
+
+    app = KvtopApp(ReplaySource(snap))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("G")
+        await pilot.pause(0.2)
+        header = table_lines(app)[0].split()
+        assert header == ["id", "state", "prompt", "out", "cached", "blks", "KV", "MiB", "age↓", "TTFT", "ITL"]

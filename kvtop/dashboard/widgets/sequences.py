@@ -52,6 +52,9 @@ COLUMNS = {  # key: (header, frame field, formatter)
 }
 assert tuple(COLUMNS) == SORT_COLUMNS
 LEFT = ("id", "state")  # left-aligned columns; numbers are right-aligned
+# Where the panel is too narrow for every column (the 120x40 overview), these go first, in this
+# order, so that the latency columns stay whole; the sort column never goes (Enter shows them all).
+HIDE_FIRST = ("blocks", "cached", "age", "prompt")
 STATE_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
 
 
@@ -76,16 +79,39 @@ def row_cells(s: dict, id_width: int) -> list[str]:
     return cells
 
 
-def draw_row(cells: list[str], widths: list[int], gap: int) -> Text:
-    """One line: each cell padded to its column (text left, numbers right); the state coloured.
-    The cells are plain text (a `[/x]` id is shown as typed)."""
+def draw_row(cells: list[str], widths: list[int], gap: int, shown: list[int], style: str = "") -> Text:
+    """One line of the columns `shown` (indices into COLUMNS): each cell padded to its column (text
+    left, numbers right); the state coloured, or all of it in `style` (the header). The cells are
+    plain text (a `[/x]` id is shown as typed)."""
+    keys = list(COLUMNS)
     line = Text()
-    for i, (key, cell, width) in enumerate(zip(COLUMNS, cells, widths)):
-        if i:
+    for n, i in enumerate(shown):
+        if n:
             line.append(" " * gap)
-        padded = cell.ljust(width) if key in LEFT else cell.rjust(width)
-        line.append(padded, STATE_STYLES.get(cell, "") if key == "state" else "")
+        key, cell = keys[i], cells[i]
+        padded = cell.ljust(widths[i]) if key in LEFT else cell.rjust(widths[i])
+        line.append(padded, style or (STATE_STYLES.get(cell, "") if key == "state" else ""))
     return line
+
+
+def fit_columns(widths: list[int], width: int, sort: str | None) -> tuple[list[int], int]:
+    """The columns to show (indices into COLUMNS) and the gap between them: every column two spaces
+    apart where that fits, else one space apart, else without HIDE_FIRST's columns, in its order,
+    until the rest fits (never the sort column)."""
+    keys = list(COLUMNS)
+    shown = list(range(len(keys)))
+
+    def need(gap: int) -> int:
+        return sum(widths[i] for i in shown) + gap * (len(shown) - 1)
+
+    if need(GAP) <= width:
+        return shown, GAP
+    for key in HIDE_FIRST:
+        if need(1) <= width:
+            break
+        if key != sort:
+            shown.remove(keys.index(key))
+    return shown, 1
 
 
 class SequencesTable(LinesStatic):
@@ -111,8 +137,9 @@ class SequencesTable(LinesStatic):
         self.state: ViewState | None = None
         self._cells: list[list[str]] = []
         self._headers: list[str] = [h for h, _, _ in COLUMNS.values()]
-        self._widths: list[int] = []
+        self._widths: list[int] = [len(h) for h in self._headers]
         self._gap = GAP
+        self._shown: list[int] = list(range(len(COLUMNS)))  # the columns that fit, as drawn last
 
     @property
     def row_count(self) -> int:
@@ -162,15 +189,10 @@ class SequencesTable(LinesStatic):
         self.top = min(self.top, self.cursor_row)
         self.top = max(self.top, self.cursor_row - shown + 1, 0)
         self.top = max(0, min(self.top, len(self.ids) - shown))
-        need = sum(self._widths) + GAP * (len(self._widths) - 1)
-        self._gap = GAP if need <= width else 1
-        header = Text(" " * self._gap).join(
-            Text(h.ljust(w) if key in LEFT else h.rjust(w), "bold")
-            for key, h, w in zip(COLUMNS, self._headers, self._widths)
-        )
-        lines = [header]
+        self._shown, self._gap = fit_columns(self._widths, width, self.state.sort if self.state else None)
+        lines = [draw_row(self._headers, self._widths, self._gap, self._shown, style="bold")]
         for i in range(self.top, min(len(self.ids), self.top + shown)):
-            line = draw_row(self._cells[i], self._widths, self._gap)
+            line = draw_row(self._cells[i], self._widths, self._gap, self._shown)
             if i == self.cursor_row:
                 line.truncate(width, pad=True)
                 line.stylize("reverse")
@@ -199,12 +221,12 @@ class SequencesTable(LinesStatic):
         if offset is None:
             return
         if offset.y == 0:
-            x = 0
-            for key, w in zip(COLUMNS, self._widths):
-                if x <= offset.x < x + w + self._gap:
-                    self.post_message(SortChosen(key))
+            x, keys = 0, list(COLUMNS)
+            for i in self._shown:
+                if x <= offset.x < x + self._widths[i] + self._gap:
+                    self.post_message(SortChosen(keys[i]))
                     return
-                x += w + self._gap
+                x += self._widths[i] + self._gap
             return
         row = self.top + offset.y - 1
         if row < len(self.ids):
