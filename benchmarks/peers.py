@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,12 +197,6 @@ def agreement(ours: list[list[int]], other: list[list[int]]) -> int:
     return sum(a[:AGREE_TOKENS] == b[:AGREE_TOKENS] for a, b in zip(ours, other, strict=True))
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def merge_rounds(results: list[dict]) -> list[dict]:
     """One entry per (dtype, engine): the runs of every round together, the first round's tokens."""
     merged: dict[tuple[str, str], dict] = {}
@@ -232,13 +227,13 @@ def print_table(results: list[dict]) -> None:
                     print(f"{dtype:9} {name:8} {r['engine']:13} failed: {r['error'].splitlines()[-1][:80]}")
                     continue
                 runs = r["runs"][name]
-                best, med = max(x["tok_s"] for x in runs), median([x["tok_s"] for x in runs])
+                best, med = max(x["tok_s"] for x in runs), statistics.median(x["tok_s"] for x in runs)
                 tpc = max(x["tok_cpu_s"] for x in runs)
                 load = f"{min(r['loads_before']):4.1f}/{max(x['load_after'] for x in runs):<4.1f}"
                 line = f"{dtype:9} {name:8} {r['engine']:13} {len(runs):4} {best:10.1f} {med:8.1f} {tpc:9.1f} "
                 if ours and r is not ours:
                     o = ours["runs"][name]
-                    o_best, o_med = max(x["tok_s"] for x in o), median([x["tok_s"] for x in o])
+                    o_best, o_med = max(x["tok_s"] for x in o), statistics.median(x["tok_s"] for x in o)
                     o_tpc = max(x["tok_cpu_s"] for x in o)
                     same = agreement(o[0]["tokens"], runs[0]["tokens"])
                     line += f"{o_best / best:10.2f}x {o_med / med:6.2f}x {o_tpc / tpc:5.2f}x "
