@@ -160,19 +160,18 @@ def _small_batch_fp32(model: nn.Module) -> bool:
     if weight.dtype in packed_dtypes() or not fp32_kernel_available():
         return False
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
-    if not all(w.is_contiguous() for w in [head, *(linear.weight for linear in linears)]):
+    places = [(layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS]
+    if not all(w.is_contiguous() for w in [head, *(linear.weight for _, _, linear in places)]):
         return False  # the kernel reads W's rows in place
     try:  # an op that fails on this CPU fails here, not mid-step
-        probe = SmallBatchLinear.around(linears[0].weight, linears[0].bias)
+        first = places[0][2]
+        probe = SmallBatchLinear.around(first.weight, first.bias)
         probe(weight.new_zeros(1, probe.in_features))
     except Exception as exc:
         log(f"fp32 small-batch linear kernel off ({type(exc).__name__}: {exc}); using nn.Linear")
         return False
-    for layer in model.layers:
-        for name in PROJECTIONS:
-            linear = getattr(layer, name)
-            setattr(layer, name, SmallBatchLinear.around(linear.weight, linear.bias))
+    for layer, name, linear in places:
+        setattr(layer, name, SmallBatchLinear.around(linear.weight, linear.bias))
     model.logits_head = SmallBatchLinear.around(head, None)  # a tied embedding: the same Parameter
     return True
 

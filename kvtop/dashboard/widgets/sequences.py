@@ -50,7 +50,8 @@ COLUMNS = {  # key: (header, frame field, formatter)
     "ttft": ("TTFT", "ttft_s", fmt.secs),
     "itl": ("ITL", "itl_s", fmt.secs),
 }
-assert tuple(COLUMNS) == SORT_COLUMNS
+KEYS = tuple(COLUMNS)
+assert KEYS == SORT_COLUMNS
 LEFT = ("id", "state")  # left-aligned columns; numbers are right-aligned
 # Where the panel is too narrow for every column (the 120x40 overview), these go first, in this
 # order, so that the latency columns stay whole; the sort column never goes (Enter shows them all).
@@ -83,12 +84,11 @@ def draw_row(cells: list[str], widths: list[int], gap: int, shown: list[int], st
     """One line of the columns `shown` (indices into COLUMNS): each cell padded to its column (text
     left, numbers right); the state coloured, or all of it in `style` (the header). The cells are
     plain text (a `[/x]` id is shown as typed)."""
-    keys = list(COLUMNS)
     line = Text()
     for n, i in enumerate(shown):
         if n:
             line.append(" " * gap)
-        key, cell = keys[i], cells[i]
+        key, cell = KEYS[i], cells[i]
         padded = cell.ljust(widths[i]) if key in LEFT else cell.rjust(widths[i])
         line.append(padded, style or (STATE_STYLES.get(cell, "") if key == "state" else ""))
     return line
@@ -98,8 +98,7 @@ def fit_columns(widths: list[int], width: int, sort: str | None) -> tuple[list[i
     """The columns to show (indices into COLUMNS) and the gap between them: every column two spaces
     apart where that fits, else one space apart, else without HIDE_FIRST's columns, in its order,
     until the rest fits (never the sort column)."""
-    keys = list(COLUMNS)
-    shown = list(range(len(keys)))
+    shown = list(range(len(KEYS)))
 
     def need(gap: int) -> int:
         return sum(widths[i] for i in shown) + gap * (len(shown) - 1)
@@ -110,7 +109,7 @@ def fit_columns(widths: list[int], width: int, sort: str | None) -> tuple[list[i
         if need(1) <= width:
             break
         if key != sort:
-            shown.remove(keys.index(key))
+            shown.remove(KEYS.index(key))
     return shown, 1
 
 
@@ -139,7 +138,7 @@ class SequencesTable(LinesStatic):
         self._headers: list[str] = [h for h, _, _ in COLUMNS.values()]
         self._widths: list[int] = [len(h) for h in self._headers]
         self._gap = GAP
-        self._shown: list[int] = list(range(len(COLUMNS)))  # the columns that fit, as drawn last
+        self._shown: list[int] = list(range(len(KEYS)))  # the columns that fit, as drawn last
 
     @property
     def row_count(self) -> int:
@@ -221,10 +220,10 @@ class SequencesTable(LinesStatic):
         if offset is None:
             return
         if offset.y == 0:
-            x, keys = 0, list(COLUMNS)
+            x = 0
             for i in self._shown:
                 if x <= offset.x < x + self._widths[i] + self._gap:
-                    self.post_message(SortChosen(keys[i]))
+                    self.post_message(SortChosen(KEYS[i]))
                     return
                 x += self._widths[i] + self._gap
             return
