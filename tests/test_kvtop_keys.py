@@ -23,6 +23,7 @@ from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.confirm import ConfirmScreen
 from kvtop.dashboard.widgets.drain_dialog import DrainScreen
 from kvtop.dashboard.widgets.help import HelpScreen, key_label
+from kvtop.dashboard.widgets.jump_dialog import JumpScreen
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen, block_ranges
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.sort_picker import SortScreen
@@ -412,3 +413,31 @@ def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
     term.read_until("kvtop keys")
     term.press("\x1b[21~")  # F10
     exits_cleanly(term)
+
+
+# ---- a dialog answers once, whatever a burst of keys queues behind its answer -------------------
+@pytest.mark.anyio
+async def test_a_burst_of_enters_in_the_sort_picker_sorts_once_and_kvtop_stays():
+    """Enter three times in one read: the option list posts its choice three times. The first closes
+    the picker; the others used to pop the dashboard itself (ScreenStackError: kvtop gone)."""
+    app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[0])))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("G", "o")
+        assert isinstance(app.screen, SortScreen) and (app.state.sort, app.state.sort_reverse) == ("age", True)
+        burst(app, "enter", "enter", "enter")
+        await pilot.pause(0.5)
+        assert app.is_running and app.screen is app.base
+        assert (app.state.sort, app.state.sort_reverse) == ("age", False)  # the current column once: reversed once
+
+
+@pytest.mark.anyio
+async def test_a_burst_of_enters_in_the_jump_dialog_jumps_once_and_kvtop_stays():
+    """`t`, a time, enter twice in one read: the field submits twice; one jump, the dashboard stays."""
+    app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[0])))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("t")
+        assert isinstance(app.screen, JumpScreen)
+        burst(app, "1", "enter", "enter", "enter")
+        await pilot.pause(0.5)
+        assert app.is_running and app.screen is app.base
+        assert app.replay.position <= 1.0  # at the frame at or before 1 s, where it was sent

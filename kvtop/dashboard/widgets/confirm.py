@@ -13,11 +13,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
-from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from kvtop.dashboard.widgets.dialog import Dialog
 
-class ConfirmScreen(ModalScreen[bool]):
+
+class ConfirmScreen(Dialog[bool]):
     AUTO_FOCUS = "#no"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("y", "answer(True)", "Yes"),

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import ClassVar, TypeVar
 
-from textual.screen import ModalScreen
 from textual.widgets import Button, Input
+
+from kvtop.dashboard.widgets.dialog import Dialog
 
 T = TypeVar("T")
 
 
-class FormScreen(ModalScreen[T]):
+class FormScreen(Dialog[T]):
     """Subclasses implement `_submit` (validate, then `self.dismiss(result)`)."""
 
     SUBMIT_ON_ENTER: ClassVar[bool] = True

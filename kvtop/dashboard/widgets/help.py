@@ -9,8 +9,9 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
 from textual.widgets import Static
+
+from kvtop.dashboard.widgets.dialog import Dialog
 
 KEY_NAMES = {
     "question_mark": "?",
@@ -43,7 +44,7 @@ def help_table(groups: list[tuple[str, list[Binding]]]) -> Table:
     return table
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(Dialog[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close")]
 
     def __init__(self, groups: list[tuple[str, list[Binding]]], mode: str) -> None:

@@ -8,13 +8,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.content import Content
-from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
+from kvtop.dashboard.widgets.dialog import Dialog
 from kvtop.sources import parse_offset
 
 
-class JumpScreen(ModalScreen[float | None]):
+class JumpScreen(Dialog[float | None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, length_s: float) -> None:

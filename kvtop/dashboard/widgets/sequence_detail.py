@@ -12,10 +12,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.content import Content
-from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from kvtop.dashboard.widgets import fmt
+from kvtop.dashboard.widgets.dialog import Dialog
 from kvtop.dashboard.widgets.view import View
 
 
@@ -58,7 +58,7 @@ def detail_text(seq_id: str, seq: dict, gone: bool, events: list[dict], now: flo
     return out
 
 
-class SequenceScreen(ModalScreen[None]):
+class SequenceScreen(Dialog[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,enter", "close", "Close")]
 
     def __init__(self, seq_id: str, view: View) -> None:

@@ -8,10 +8,10 @@ from typing import ClassVar
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
-from textual.screen import ModalScreen
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
+from kvtop.dashboard.widgets.dialog import Dialog
 from kvtop.dashboard.widgets.view import SORT_COLUMNS
 
 SORT_HELP = {  # column key: what sorting by it answers
@@ -29,7 +29,7 @@ SORT_HELP = {  # column key: what sorting by it answers
 assert tuple(SORT_HELP) == SORT_COLUMNS
 
 
-class SortScreen(ModalScreen[str | None]):
+class SortScreen(Dialog[str | None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,q,o", "cancel", "Cancel"),
         Binding("j", "move(1)", "Down", show=False),
