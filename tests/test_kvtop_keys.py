@@ -441,3 +441,18 @@ async def test_a_burst_of_enters_in_the_jump_dialog_jumps_once_and_kvtop_stays()
         await pilot.pause(0.5)
         assert app.is_running and app.screen is app.base
         assert app.replay.position <= 1.0  # at the frame at or before 1 s, where it was sent
+
+
+@pytest.mark.anyio
+async def test_keys_while_resizes_rebuild_the_layout_do_not_crash():
+    """A terminal dragged between sizes while keys arrive: each resize that changes the layout (tabs,
+    overview, wide) rebuilds the sequences panel, and a key checked before its filter box exists
+    used to raise NoMatches (kvtop gone)."""
+    app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[-1])))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("G")
+        for w, h in [(120, 40), (60, 18), (80, 24), (160, 48), (60, 18), (120, 40)]:
+            await pilot.resize_terminal(w, h)
+            await pilot.press("j", "k", "o", "enter", "slash", "x", "escape")
+        await pilot.pause(0.3)
+        assert app.is_running and app.screen is app.base

@@ -299,7 +299,8 @@ class SequencesPanel(Vertical):
 
     @property
     def filtering(self) -> bool:
-        return self.screen.focused is self.query_one("#seq-filter", Input)
+        boxes = self.query("#seq-filter")  # none yet while a resize rebuilds the layout and this panel
+        return bool(boxes) and self.screen.focused is boxes.first()
 
     def close_filter(self, keep: bool) -> None:
         """Enter (keep) or esc (clear) in the filter box, handled as the key arrives (priority keys
