@@ -15,6 +15,8 @@ Workloads: fixed, 64 prompts × 256 random token ids × 128 output tokens; mixed
 first. Reported: output tok/s (wall) and output tokens per CPU-second of the engine's process tree
 (vLLM's engine core included), which moves less than wall time when others share the machine, and
 how many requests' first 16 tokens equal ours (a check that the same weights and prompts went in).
+Both engines run offline with their prefix caches off: a workload's prompts share no prefix, and a
+repeat of the same prompts in one process would otherwise skip its prefill.
 
 A shared machine moves by a third between identical runs, so one run of each engine can put a quiet
 minute against a busy one. `--repeats N` runs each workload N times in each engine's process;
@@ -92,7 +94,7 @@ def ours_generator(spec: dict):
     from engine import LLM, SamplingParams
 
     llm = LLM("smollm2-135m", dtype=spec["dtype"], kv_cache_memory=f"{spec['kv_gib']}GiB",
-              attention_backend=spec["attention_backend"], quiet=True)  # fmt: skip
+              attention_backend=spec["attention_backend"], enable_prefix_caching=False, quiet=True)  # fmt: skip
 
     def generate(prompts, out_lens):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
@@ -106,7 +108,7 @@ def vllm_generator(spec: dict):
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=1024, seed=0,
-              enforce_eager=spec["enforce_eager"])  # fmt: skip
+              enforce_eager=spec["enforce_eager"], enable_prefix_caching=False)  # fmt: skip
 
     def generate(prompts, out_lens):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]

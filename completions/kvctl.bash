@@ -179,7 +179,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --warmup --no-warmup --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         snapshot)

@@ -120,6 +120,8 @@ complete -c kvctl -n '__fish_seen_subcommand_from serve' -l snapshot-cooldown -x
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l max-request-body -x -d 'Largest request body bytes or e.g.'
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l read-timeout -x -d 'Seconds a client may stall mid-request before it is cut off.'
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l max-connections -x -d 'Open connections beyond them new requests get 503.'
+complete -c kvctl -n '__fish_seen_subcommand_from serve' -l warmup -d 'One full-size step before serving, the first requests skip its first-time costs.'
+complete -c kvctl -n '__fish_seen_subcommand_from serve' -l no-warmup -d 'One full-size step before serving, the first requests skip its first-time costs.'
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l model -s m -r -F -d 'Known name smollm2-135m, HF model directory, .gguf file or HF hub id.'
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l dtype -x -a 'auto float32 bfloat16 float16' -d 'Model dtype, auto / float32 / bfloat16 / float16.'
 complete -c kvctl -n '__fish_seen_subcommand_from serve' -l device -x -d 'auto / cpu / cuda / cuda,N.'

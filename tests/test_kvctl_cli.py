@@ -124,8 +124,9 @@ def test_serve_help_lists_engine_and_server_flags():
 def test_serve_flags_reach_the_server(tiny_dir):
     """Each server flag becomes the server's setting (they are declared once, from ServerConfig)."""
     server = start_server(tiny_dir, "--max-queue", "5", "--stats-interval", "0.25", "--history", "30",
-                          "--max-request-body", "2KiB", api_key="sesame")  # fmt: skip
+                          "--max-request-body", "2KiB", "--no-warmup", api_key="sesame")  # fmt: skip
     try:
+        assert "warm-up   off (--no-warmup)" in server.log
         frame = server.stats()["server"]
         assert (frame["max_queue"], frame["stats_interval_s"], frame["history_s"]) == (5, 0.25, 30.0)
         with server.control() as c:  # --snapshot-dir: where a snapshot goes when no path is given
@@ -279,6 +280,8 @@ def test_serve_warns_and_advertises_the_real_context_limit(tiny_dir):
         warnings = [line for line in server.log.splitlines() if "warning" in line]
         assert len(warnings) == 1, server.log
         assert "max_model_len 8192 but the KV cache holds 720 tokens" in warnings[0]
+        # the default warm-up ran before the first request, in prompts of 256 that fit the small cache
+        assert "warm-up   a prefill of 512 tokens (2 × 256) and a decode step of 2 in" in server.log
         assert "raise --kv-cache-memory or lower --max-model-len" in warnings[0]
     finally:
         server.cleanup()

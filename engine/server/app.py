@@ -25,6 +25,7 @@ from engine.config import EngineConfig, context_limit_warning, format_bytes
 from engine.log import log
 from engine.server.config import ServerConfig
 from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
+from engine.warmup import warm_up
 
 
 class _Server(uvicorn.Server):
@@ -111,7 +112,9 @@ def _uvicorn_config(app, log_level: str, config: ServerConfig | None = None) -> 
     )
 
 
-def startup_summary(engine, config: ServerConfig, api_url: str, socket_path: Path) -> str:
+def startup_summary(
+    engine, config: ServerConfig, api_url: str, socket_path: Path, warmed: tuple[int, int, float] | None = None
+) -> str:
     kv = engine.kv
     cap = kv.num_blocks * kv.block_size
     name = engine.config.served_model_name or engine.config.model
@@ -130,6 +133,7 @@ def startup_summary(engine, config: ServerConfig, api_url: str, socket_path: Pat
         f"  control   {socket_path}  (kvctl status | drain | evict | snapshot; kvtop)",
         f"  recorder  a frame every {config.stats_interval:g} s for {config.history:g} s; "
         f"auto snapshots: {auto} → {config.snapshot_dir}",
+        f"  warm-up   {warm_up_line(warmed) if config.warmup else 'off (--no-warmup)'}",
     ]
     return "\n".join(lines)
 
@@ -143,6 +147,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
     tcp = bind_tcp(config.host, config.port)
     try:
         engine = LLMEngine(engine_config, quiet=True)
+        warmed = warm_up(engine) if config.warmup else None
         uds = bind_unix(socket_path)
     except BaseException:
         tcp.close()
@@ -151,7 +156,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
     host = f"[{config.host}]" if ":" in config.host else config.host
     api_url = f"http://{host}:{port}"
     try:
-        return asyncio.run(_serve(engine, config, tcp, uds, socket_path, api_url, log_level))
+        return asyncio.run(_serve(engine, config, tcp, uds, socket_path, api_url, log_level, warmed))
     finally:
         with contextlib.suppress(OSError):
             if socket_path.is_socket():
@@ -217,7 +222,17 @@ class _Signals:
         threading.Thread(target=write, name="kvtop-snapshot", daemon=True).start()
 
 
-async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str) -> int:
+def warm_up_line(warmed: tuple[int, int, float] | None) -> str:
+    if warmed is None:
+        return "skipped (the engine already held sequences)"
+    tokens, rows, seconds = warmed
+    return f"a prefill of {tokens} tokens ({rows} × {tokens // rows}) and a decode step of {rows} in {seconds:.1f} s"
+
+
+async def _serve(
+    engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str,
+    warmed: tuple[int, int, float] | None = None,
+) -> int:  # fmt: skip
     from engine.server.api import build_api
     from engine.server.control import build_control
     from engine.server.loop import EngineLoop
@@ -232,7 +247,7 @@ async def _serve(engine, config: ServerConfig, tcp, uds, socket_path: Path, api_
     loop.start(aloop)
     signals = _Signals(loop, config, (api_server, ctl_server), stopping)
     signals.install(aloop)
-    print(startup_summary(engine, config, api_url, socket_path), flush=True)
+    print(startup_summary(engine, config, api_url, socket_path, warmed), flush=True)
     t0 = time.time()
     try:
         await asyncio.gather(api_server.serve(sockets=[tcp]), ctl_server.serve(sockets=[uds]))

@@ -40,6 +40,7 @@ class ServerConfig:
     max_request_body: int | str = DEFAULT_MAX_REQUEST_BODY  # bytes or "8MiB"; a bigger body gets 413
     read_timeout: float = DEFAULT_READ_TIMEOUT  # a client silent this long mid-headers or mid-body is cut off
     max_connections: int = 1024  # open connections; beyond it new requests get 503 (uvicorn's limit_concurrency)
+    warmup: bool = True  # one full-budget step before serving (engine/warmup.py)
 
     def __post_init__(self) -> None:
         self.max_request_body = parse_size(self.max_request_body)

@@ -42,6 +42,7 @@ SERVER_OPTIONS: dict[str, tuple[object, object]] = {
     "max_request_body": (str, _opt("Largest request body (bytes or e.g. 8MiB); more gets 413.")),
     "read_timeout": (float, _opt("Seconds a client may stall mid-request before it is cut off.")),
     "max_connections": (int, _opt("Open connections; beyond them new requests get 503.")),
+    "warmup": (bool, _opt("One full-size step before serving: the first requests skip its first-time costs.")),
 }
 # the flag's default where it is not ServerConfig's: unset means "the server decides", or text
 _DEFAULTS = {"socket": None, "api_key": None, "snapshot_dir": None, "snapshot_on": None, "max_request_body": "8MiB"}

@@ -1,0 +1,61 @@
+"""The warm-up `kvctl serve` runs before its first request (engine/warmup.py): a full-budget
+prefill and a decode step that leave no trace an operator or a client could see."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.metrics import Counters
+from engine.warmup import PROMPT_TOKENS, warm_up
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _engine(tiny_dir) -> LLM:
+    return LLM(str(tiny_dir), dtype="float32", kv_cache_memory="1MiB", max_num_batched_tokens=512, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def warmed(tiny_dir):
+    llm = _engine(tiny_dir)
+    return llm, warm_up(llm.engine)
+
+
+def test_warm_up_runs_a_full_budget_prefill_and_a_decode(warmed):
+    tokens, rows, seconds = warmed[1]
+    assert (tokens, rows) == (512, 512 // PROMPT_TOKENS)  # the token budget, in prompts of 256
+    assert seconds > 0
+
+
+def test_warm_up_leaves_no_request_block_or_cached_prefix(warmed):
+    llm, _ = warmed
+    engine = llm.engine
+    assert engine.block_manager.num_free == engine.kv.num_blocks  # no block taken
+    assert engine.block_manager.num_cached == 0  # nothing for the prefix cache to hit
+    assert llm.stats()["sequences"] == [] and engine.step_count == 0
+    assert engine.metrics.counters == Counters() and not engine.metrics.events  # no tokens, no requests
+    assert engine.metrics.iteration.count == 0  # no step in the step-size histogram
+
+
+def test_the_garbage_it_leaves_in_free_blocks_changes_no_token(warmed, tiny_dir):
+    """Requests after the warm-up land in the very blocks it wrote, one of them with the warm-up's
+    own first prompt: the same greedy tokens as an engine that never warmed up, and no prefix hit."""
+    llm, _ = warmed
+    vocab = llm.engine.spec.vocab_size
+    warm_prompt = [(7 + 31 * j) % vocab for j in range(PROMPT_TOKENS)]
+    prompts = [warm_prompt, [11, 12, 13, 14, 15] * 7, list(range(40, 340))]
+    warmed_out = llm.generate(prompts, GREEDY)
+    cold_out = _engine(tiny_dir).generate(prompts, GREEDY)
+    assert [o.token_ids for o in warmed_out] == [o.token_ids for o in cold_out]
+    assert warmed_out[0].cached_tokens == 0
+
+
+def test_warm_up_stands_aside_once_the_engine_has_work(tiny_dir):
+    llm = _engine(tiny_dir)
+    engine = llm.engine
+    engine.add_request([5] * 40, GREEDY)
+    assert warm_up(engine) is None  # it would write over that request's blocks
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics.counters.requests_finished == 1
