@@ -3,6 +3,8 @@ number of rows, and the engine gives the same greedy tokens with and without the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,8 @@ from engine.model.packed_linear import (
     AMXLinear,
     OneDNNLinear,
     SmallBatchLinear,
+    TiledEmbedding,
+    _pack_tiles,
     amx_available,
     applies,
     fp32_kernel_available,
@@ -203,3 +207,38 @@ def test_fp32_engine_gives_the_same_greedy_tokens_with_and_without_the_small_bat
     plain, plain_llm = _generate(path, "float32", prompts, params)
     assert type(plain_llm.engine.model.layers[0].qkv_proj) is nn.Linear
     assert ours == plain
+
+
+@pytest.mark.parametrize(
+    "shape", [(49152, 576), (1000, 70), (33, 64)]
+)  # SmolLM2's; padded N and K; one group and a bit
+def test_tiled_embedding_reads_the_same_rows_as_the_dense_table(shape):
+    """A tied embedding's lookup from the logits head's tile layout gives the dense table's rows bit
+    for bit, every row for the small tables, ids in any shape."""
+    vocab, hidden = shape
+    torch.manual_seed(0)
+    table = torch.randn(vocab, hidden).to(torch.bfloat16)
+    head = SimpleNamespace(weight=_pack_tiles(table), out_features=vocab, in_features=hidden)
+    embed = TiledEmbedding(head)  # only the tile layout, no AMX needed to read it
+    ids = torch.arange(vocab) if vocab < 5000 else torch.randint(0, vocab, (3000,))
+    assert torch.equal(embed(ids), table[ids])
+    grid = ids[:12].reshape(3, 4)
+    assert torch.equal(embed(grid), table[grid])
+
+
+def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
+    """Where the logits run on AMX tiles, the lookup reads those tiles: no dense [vocab, hidden] copy
+    is left (SmolLM2: 54 MiB). The tokens stay the unpacked model's: the bf16 greedy test above."""
+    monkeypatch.delenv(ENV, raising=False)
+    llm = LLM(str(tiny_models["smollm-tied"]), dtype="bfloat16", kv_cache_memory="2MiB", quiet=True)
+    model = llm.engine.model
+    spec = model.spec
+    dense = [
+        n
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.shape == (spec.vocab_size, spec.hidden_size)
+    ]
+    if AMX:
+        assert type(model.embed_tokens) is TiledEmbedding and dense == []
+    else:  # oneDNN's packed weight cannot be read by rows: the lookup keeps the dense table
+        assert dense == ["embed_tokens.weight"]

@@ -83,8 +83,7 @@ class CausalLM(nn.Module):
 
     def build_rope_cache(self, max_positions: int) -> None:
         """cos/sin for every position, computed in float32 exactly as transformers does."""
-        device = self.embed_tokens.weight.device
-        dtype = self.embed_tokens.weight.dtype
+        device, dtype = self.norm.device, self.norm.dtype  # the embedding may be packed by now
         pos = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = pos[:, None] * self.spec.inv_freq.to(device=device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -121,6 +121,31 @@ class AMXLinear(nn.Module):
         return _unpack_tiles(self.weight, self.out_features, self.in_features)
 
 
+class TiledEmbedding(nn.Module):
+    """A tied embedding looked up in its logits head's tile layout, so the table is held once: the
+    dense copy (SmolLM2: 49,152 x 576 bf16, 54 MiB) goes. Row n of W sits, for each K block kb, in
+    tile (n // 32, kb, (n % 32) // 16), column n % 16 of every row r, as the pairs W[n, 32kb + 2r + p]:
+    one gather over that view, a pair as one 32-bit element, gives the rows in order (2,048 ids:
+    1.8 ms against 0.7 for the dense table; 64 ids: 0.05 ms)."""
+
+    def __init__(self, head: AMXLinear) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tiles = self.head.weight
+        groups, kbs = tiles.shape[:2]
+        pairs = tiles.view(torch.int32).view(groups, kbs, 2, 16, 16)  # [g, kb, h, r, c]: W[n, 32kb+2r : +2]
+        n = ids.reshape(-1)
+        rows = pairs[n // 32, :, (n % 32) // 16, :, n % 16]  # [ids, kb, r]
+        dense = rows.reshape(n.numel(), kbs * 16).view(tiles.dtype)[:, : self.embedding_dim]
+        return dense.contiguous().view(*ids.shape, self.embedding_dim)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.head.dense_weight()
+
+
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64) -> nn.Module:
     """The packed layer for this weight: AMX where the CPU has it (unless KVTOP_PACKED_LINEAR=onednn),
     else oneDNN's."""
@@ -215,7 +240,7 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
                 linear = getattr(layer, name)
                 setattr(layer, name, packed_linear(linear.weight, linear.bias, batch_hint))
                 done.append((layer, name))
-        # compute_logits uses it when present; a tied embedding stays dense for the lookup
+        # compute_logits uses it when present; a tied embedding's lookup then reads its tiles (below)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         model.logits_head = packed_linear(head, None, batch_hint)
         if model.lm_head is not None:
@@ -226,4 +251,6 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
         model.logits_head = None
         log(f"prepacked linear layers off ({type(exc).__name__}: {exc}); using nn.Linear")
         return False
+    if model.lm_head is None and isinstance(model.logits_head, AMXLinear):
+        model.embed_tokens = TiledEmbedding(model.logits_head)  # the lookup reads the tiles: one copy
     return True
