@@ -107,6 +107,25 @@ def test_min_p_one_and_tiny_temperature_or_top_p_are_argmax():
         assert tokens == want, kw
 
 
+def test_plain_greedy_on_bf16_logits_picks_the_first_maximal_token_as_the_fp32_path():
+    """All-greedy rows with nothing else asked take the argmax in the logits' own dtype (no fp32
+    copy): the same tokens, ties to the first index, as with a row that sends the batch down the
+    fp32 path (log-probs), and min_tokens still holds EOS back."""
+    from engine.sampling import sample
+
+    logits = (torch.randn(16, 300, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16)
+    logits[3, [7, 70, 200]] = 50.0  # a three-way tie: the first wins
+    greedy = SamplingParams(temperature=0.0)
+    fast, lp = sample(logits, [greedy] * 16, [None] * 16)
+    assert lp is None and fast[3] == 7
+    slow, lp = sample(logits, [greedy] * 15 + [SamplingParams(temperature=0.0, logprobs=1)], [None] * 16)
+    assert fast == slow == logits.float().argmax(dim=-1).tolist() and lp is not None
+    eos = fast[0]
+    held = sample(logits, [SamplingParams(temperature=0.0, min_tokens=2)] * 16, [None] * 16,
+                  num_outputs=[0] * 16, eos_token_ids=[eos])[0]  # fmt: skip
+    assert eos not in held and all(h == f for h, f in zip(held, fast, strict=True) if f != eos)
+
+
 def test_top_k_beyond_the_vocabulary_is_no_top_k():
     from engine.sampling import sample
 
