@@ -82,6 +82,20 @@ def row(name: str, args: argparse.Namespace, layers, q, tables, lens, cu=None) -
     print(f"{name:<34} {t_ref:>9.2f} {t_cpu:>9.2f} {t_ref / t_cpu:>6.2f}x {err.item():>9.1e}", flush=True)
 
 
+def prefill_row(args, layers, num_blocks: int, gen: torch.Generator, dtype, kind: str) -> None:
+    """4 prompts of 256 new tokens over a 128-token cached prefix, in blocks of their own (any --context)."""
+    seqs, cached, new = 4, 128, 256
+    per_seq = -(-(cached + new) // BLOCK_SIZE)
+    if seqs * per_seq > num_blocks - 1:
+        print(f"prefill: skipped ({seqs} x {cached + new} tokens need more blocks than --seqs x --context give)")
+        return
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: seqs * per_seq] + 1).to(torch.int32).view(seqs, per_seq)
+    lens = torch.full((seqs,), cached + new, dtype=torch.int32)
+    cu = torch.arange(0, (seqs + 1) * new, new, dtype=torch.int32)
+    q = torch.randn(seqs * new, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    row(f"prefill {seqs}x{new} over {cached} kv={kind}", args, layers, q, tables, lens, cu)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, default=64)
@@ -114,12 +128,7 @@ def main() -> None:
         layers = make_layers(kind, args.layers, num_blocks, gen, dtype)
         row(f"decode {args.seqs}x{args.context} kv={kind}", args, layers, q, tables, lens)
         if kind == "auto":
-            pre_seqs, cached, new = 4, 128, 256
-            pre_tables = tables[:pre_seqs, : -(-(cached + new) // BLOCK_SIZE)].contiguous()
-            pre_lens = torch.full((pre_seqs,), cached + new, dtype=torch.int32)
-            cu = torch.arange(0, (pre_seqs + 1) * new, new, dtype=torch.int32)
-            pre_q = torch.randn(pre_seqs * new, HEADS, HEAD_DIM, generator=gen).to(dtype)
-            row(f"prefill {pre_seqs}x{new} over {cached} kv={kind}", args, layers, pre_q, pre_tables, pre_lens, cu)
+            prefill_row(args, layers, num_blocks, gen, dtype, kind)
         del layers
 
 
