@@ -3,9 +3,9 @@
 The first forward at the full token budget is the first time the process allocates activations of
 that size: glibc maps each big tensor fresh (page faults on every page) until its dynamic mmap
 threshold has grown past them, and the kernels touch their buffers for the first time. On the
-2-core CPU machine a `kvctl serve` that had only served a few short requests gave the first wave of
-16 × 256-token prompts a TTFT P50 of 2.1–2.4 s, and 1.6–1.7 s to the same load a minute later
-(benchmarks/README.md, "Warm-up"). vLLM pays the same costs in its start-up profile run.
+2-core CPU machine, the first load of 16 streams of 256-token prompts after a start had a TTFT P50
+of 1.98 s without the warm-up and 1.60 s with it (medians over five starts each; benchmarks/README.md,
+"Warm-up before serving"). vLLM pays the same costs in its start-up profile run.
 
 `warm_up` runs one prefill at the engine's token budget and one decode step over the same sequences
 through the model runner only: no request, no metrics, no prefix-cache entry and no block taken
@@ -32,11 +32,10 @@ def warm_up(engine) -> tuple[int, int, float] | None:
     if engine.seqs or bm.num_free != kv.num_blocks or bm.num_cached:
         return None
     bs, cfg = kv.block_size, engine.config
-    length = max(1, min(PROMPT_TOKENS, cfg.max_num_batched_tokens, engine.max_seq_len - 1))
-    blocks_each = -(-(length + 1) // bs)  # the prompt and the decoded token
+    cap = min(engine.max_seq_len, kv.num_blocks * bs) - 1  # room for the prompt and the decoded token
+    length = max(1, min(PROMPT_TOKENS, cfg.max_num_batched_tokens, cap))
+    blocks_each = -(-(length + 1) // bs)
     count = min(cfg.max_num_seqs, max(1, cfg.max_num_batched_tokens // length), kv.num_blocks // blocks_each)
-    if count < 1:
-        return None
     vocab = engine.spec.vocab_size
     seqs = []
     for i in range(count):

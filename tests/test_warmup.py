@@ -59,3 +59,13 @@ def test_warm_up_stands_aside_once_the_engine_has_work(tiny_dir):
     while engine.has_unfinished():
         engine.step()
     assert engine.metrics.counters.requests_finished == 1
+
+
+def test_warm_up_fits_a_cache_smaller_than_one_of_its_prompts(tiny_dir):
+    """A cache of a few blocks (a small --kv-cache-memory) gets one sequence that fits, not an error."""
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="24KiB", quiet=True)  # 3 blocks of 16
+    engine = llm.engine
+    tokens, rows, _ = warm_up(engine)
+    assert rows == 1 and tokens == engine.kv.num_blocks * engine.kv.block_size - 1
+    assert engine.block_manager.num_free == engine.kv.num_blocks
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids  # and it still serves

@@ -113,7 +113,7 @@ def _uvicorn_config(app, log_level: str, config: ServerConfig | None = None) -> 
 
 
 def startup_summary(
-    engine, config: ServerConfig, api_url: str, socket_path: Path, warmed: tuple[int, int, float] | None = None
+    engine, config: ServerConfig, api_url: str, socket_path: Path, warmed: tuple[int, int, float] | str = "not run"
 ) -> str:
     kv = engine.kv
     cap = kv.num_blocks * kv.block_size
@@ -147,7 +147,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
     tcp = bind_tcp(config.host, config.port)
     try:
         engine = LLMEngine(engine_config, quiet=True)
-        warmed = warm_up(engine) if config.warmup else None
+        warmed = _warm_up(engine) if config.warmup else "off"
         uds = bind_unix(socket_path)
     except BaseException:
         tcp.close()
@@ -222,16 +222,25 @@ class _Signals:
         threading.Thread(target=write, name="kvtop-snapshot", daemon=True).start()
 
 
-def warm_up_line(warmed: tuple[int, int, float] | None) -> str:
-    if warmed is None:
-        return "skipped (the engine already held sequences)"
+def _warm_up(engine) -> tuple[int, int, float] | str:
+    """The warm-up's figures, or why there are none: it only saves time, so a failure is one line
+    in the summary and the server starts anyway (a request that fails the same way gets its error)."""
+    try:
+        return warm_up(engine) or "skipped (the engine already held sequences)"
+    except Exception as exc:
+        return f"failed, serving without it ({type(exc).__name__}: {exc})"
+
+
+def warm_up_line(warmed: tuple[int, int, float] | str) -> str:
+    if isinstance(warmed, str):
+        return warmed
     tokens, rows, seconds = warmed
     return f"a prefill of {tokens} tokens ({rows} × {tokens // rows}) and a decode step of {rows} in {seconds:.1f} s"
 
 
 async def _serve(
     engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str,
-    warmed: tuple[int, int, float] | None = None,
+    warmed: tuple[int, int, float] | str = "not run",
 ) -> int:  # fmt: skip
     from engine.server.api import build_api
     from engine.server.control import build_control
