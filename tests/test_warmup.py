@@ -4,6 +4,7 @@ prefill and a decode step that leave no trace an operator or a client could see.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.metrics import Counters
@@ -69,3 +70,23 @@ def test_warm_up_fits_a_cache_smaller_than_one_of_its_prompts(tiny_dir):
     assert rows == 1 and tokens == engine.kv.num_blocks * engine.kv.block_size - 1
     assert engine.block_manager.num_free == engine.kv.num_blocks
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids  # and it still serves
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_after_the_warm_up_gives_the_cold_engines_tokens(tiny_dir, kv_dtype):
+    """The warm-up also writes quantization scales (int8: per token) into free blocks; fp8's
+    calibrated per-tensor scale must survive it."""
+
+    def engine() -> LLM:
+        return LLM(str(tiny_dir), dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype=kv_dtype, quiet=True)
+
+    warm = engine()
+    scales = [(layer.k_scale, layer.v_scale) for layer in warm.engine.kv.layers]
+    fp8_scales = [(k.clone(), v.clone()) for k, v in scales] if kv_dtype == "fp8_e4m3" else None
+    assert warm_up(warm.engine) is not None
+    if fp8_scales is not None:
+        assert all(torch.equal(k, a) and torch.equal(v, b) for (k, v), (a, b) in zip(scales, fp8_scales, strict=True))
+    prompts = [list(range(30, 330)), [9, 8, 7] * 20]
+    assert [o.token_ids for o in warm.generate(prompts, GREEDY)] == [
+        o.token_ids for o in engine().generate(prompts, GREEDY)
+    ]
