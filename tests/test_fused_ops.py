@@ -161,3 +161,21 @@ def test_engine_on_the_fused_ops_gives_the_reference_tokens(tiny_models, family)
     """fp32, chunked prompts beside decodes; qwen3 also runs its per-head q/k norm through the op."""
     path = str(tiny_models[family])
     assert _greedy(path, "cpu", "float32") == _greedy(path, "reference", "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 1024, 1025, 3000, 49152])  # one block, its edges, SmolLM2's vocabulary
+def test_argmax_rows_is_torch_max_indices(dtype, width):
+    """Greedy sampling's argmax (`engine.sampling._argmax` on the CPU): the first maximal index per
+    row, the first NaN where a row holds one, index 0 for a row of -inf, as `x.max(dim=-1).indices`."""
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(12, width + 3, generator=g) * 3).to(dtype)[:, 3:]  # rows not starting at a row stride of width
+    x[1, : (width + 1) // 2] = 100.0  # ties over half the row: the first wins
+    x[2, width - 1] = float("nan")
+    x[3] = float("-inf")
+    x[4, width // 3 :] = float("nan")
+    x[5] = 0.0
+    x[6, -1] = 1e30  # the maximum in the last element
+    x[7, 0] = float("inf")
+    got = torch.ops.kvtop_cpu.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, x.max(dim=-1).indices)

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 // No a*b + c*d into fma: torch rounds each product and the sum, and RoPE in fp32 then matches it
 // bit for bit. (After the includes: only this file's functions.)
@@ -246,6 +247,58 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Greedy sampling's argmax, as torch's `x.max(dim=-1).indices`: per row the first index of its
+// maximum, or of its first NaN if it holds one. torch's reduction with an index runs at ~1.3 G
+// elements/s here (64 x 49,152 bf16 logits: 2.3 ms a decode step); this is one vectorized pass of
+// block maxima and a scan of the one block that holds the first maximum.
+constexpr int64_t kArgmaxBlock = 1024;
+
+template <typename T>
+int64_t argmax_row(const Bits<T>* x, int64_t n) {
+  using E = Elem<T>;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_block = 0;
+  for (int64_t b0 = 0; b0 < n; b0 += kArgmaxBlock) {
+    const int64_t b1 = std::min(n, b0 + kArgmaxBlock);
+    float m = -std::numeric_limits<float>::infinity();
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = b0; i < b1; ++i) {
+      const float f = E::get(x[i]);
+      m = std::max(m, f);  // a NaN f leaves m as it is ...
+      nan |= f != f;  // ... and is caught here
+    }
+    if (nan) {
+      for (int64_t i = b0; i < b1; ++i) {
+        if (const float f = E::get(x[i]); f != f) return i;
+      }
+    }
+    if (m > best) std::tie(best, best_block) = std::make_tuple(m, b0);  // strictly: ties keep the earlier block
+  }
+  const int64_t end = std::min(n, best_block + kArgmaxBlock);
+  for (int64_t i = best_block; i < end; ++i) {
+    if (E::get(x[i]) == best) return i;
+  }
+  return best_block;  // a row of -inf: its first index, as torch
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(1) <= 1) && x.size(1) > 0,
+              "argmax_rows: x must be [rows, n > 0] with its last dim contiguous");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      op[r] = fp32 ? argmax_row<float>(static_cast<const float*>(x.data_ptr()) + r * stride, n)
+                   : argmax_row<c10::BFloat16>(static_cast<const uint16_t*>(x.data_ptr()) + r * stride, n);
+    }
+  });
+  return out;
+}
+
 // The reference's store_kv for a cache of k's own dtype (float32, bfloat16, float16): each token's
 // [kv_heads, head_dim] rows of k and v copied into its slot, slot -1 skipped. One op where the torch
 // code makes six (a mask, a sync on it, two views, two index_puts): 30 layers, every step.
@@ -297,4 +350,5 @@ TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &fused_add_rms_norm);
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_embedding);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
 }
