@@ -81,6 +81,11 @@ def load() -> bool:
         return _loaded["ok"]
 
 
+def loaded() -> bool:
+    """The extension is loaded in this process (never builds it: for callers outside the backend)."""
+    return _loaded.get("ok", False)
+
+
 def _load() -> bool:
     directory = build_dir()
     library, built = directory / f"{NAME}.so", directory / "built"

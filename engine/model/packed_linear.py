@@ -142,9 +142,6 @@ class TiledEmbedding(nn.Module):
         dense = rows.reshape(n.numel(), kbs * 16).view(tiles.dtype)[:, : self.embedding_dim]
         return dense.contiguous().view(*ids.shape, self.embedding_dim)
 
-    def dense_weight(self) -> torch.Tensor:
-        return self.head.dense_weight()
-
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64) -> nn.Module:
     """The packed layer for this weight: AMX where the CPU has it (unless KVTOP_PACKED_LINEAR=onednn),

@@ -113,7 +113,7 @@ def _uvicorn_config(app, log_level: str, config: ServerConfig | None = None) -> 
 
 
 def startup_summary(
-    engine, config: ServerConfig, api_url: str, socket_path: Path, warmed: tuple[int, int, float] | str = "not run"
+    engine, config: ServerConfig, api_url: str, socket_path: Path, warmed: tuple[int, int, float] | str
 ) -> str:
     kv = engine.kv
     cap = kv.num_blocks * kv.block_size
@@ -133,7 +133,7 @@ def startup_summary(
         f"  control   {socket_path}  (kvctl status | drain | evict | snapshot; kvtop)",
         f"  recorder  a frame every {config.stats_interval:g} s for {config.history:g} s; "
         f"auto snapshots: {auto} → {config.snapshot_dir}",
-        f"  warm-up   {warm_up_line(warmed) if config.warmup else 'off (--no-warmup)'}",
+        f"  warm-up   {warm_up_line(warmed)}",
     ]
     return "\n".join(lines)
 
@@ -147,7 +147,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
     tcp = bind_tcp(config.host, config.port)
     try:
         engine = LLMEngine(engine_config, quiet=True)
-        warmed = _warm_up(engine) if config.warmup else "off"
+        warmed = _warm_up(engine) if config.warmup else "off (--no-warmup)"
         uds = bind_unix(socket_path)
     except BaseException:
         tcp.close()
@@ -240,7 +240,7 @@ def warm_up_line(warmed: tuple[int, int, float] | str) -> str:
 
 async def _serve(
     engine, config: ServerConfig, tcp, uds, socket_path: Path, api_url: str, log_level: str,
-    warmed: tuple[int, int, float] | str = "not run",
+    warmed: tuple[int, int, float] | str,
 ) -> int:  # fmt: skip
     from engine.server.api import build_api
     from engine.server.control import build_control
