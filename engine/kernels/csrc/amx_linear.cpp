@@ -19,6 +19,11 @@
 // built and `amx_supported()` is false. Where it is compiled, `amx_supported()` still asks the CPU
 // (CPUID) and Linux (arch_prctl permission for the tile data) once; engine/model/packed_linear.py
 // asks it before using any of this.
+//
+// A large output (a prefill step's: 2,048 rows of gate/up are 12.6 MB) is written with non-temporal
+// stores: it cannot stay in the caches anyway, and a plain store first reads every line it writes.
+// Measured on SmolLM2's four projections of one layer (benchmarks/README.md, "Fifth pass"): 0.88x
+// the time at 2,048 rows, 0.91x at 512-1,024; neutral at 256 rows, where the output fits in L2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,6 +52,7 @@ constexpr int64_t kTileK = 32;     // bf16 elements of K per tile row (64 bytes)
 constexpr int64_t kGroupN = 32;    // output columns per group: two B tiles, read as one stream
 constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bf16 = 1 KiB
 constexpr int64_t kBlockM = 256;
+constexpr int64_t kStreamBytes = int64_t{2} << 20;  // outputs this large bypass the caches (one core's L2)
 constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -118,9 +124,10 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
   }
 }
 
-// acc rows [0, rows) (+ bias) rounded to bf16 into out columns [n0, n0 + cols).
+// acc rows [0, rows) (+ bias) rounded to bf16 into out columns [n0, n0 + cols); a full row of 32
+// columns that starts a cache line goes around the caches when `stream` is set.
 void store_rows(const float* acc, int64_t rows, const float* bias, uint16_t* out, int64_t out_stride,
-                                 int64_t cols) {
+                                 int64_t cols, bool stream) {
   const __mmask32 mask = cols >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << cols) - 1);
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
@@ -128,14 +135,18 @@ void store_rows(const float* acc, int64_t rows, const float* bias, uint16_t* out
     const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0);
     const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1);
     const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
-    _mm512_mask_storeu_epi16(out + r * out_stride, mask, reinterpret_cast<__m512i>(packed));
+    uint16_t* row = out + r * out_stride;
+    if (stream && cols == 32 && (reinterpret_cast<uintptr_t>(row) & 63) == 0)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(row), reinterpret_cast<__m512i>(packed));
+    else
+      _mm512_mask_storeu_epi16(row, mask, reinterpret_cast<__m512i>(packed));
   }
 }
 
 // Groups [g0, g1) of M-block mb: every 32-row chunk of the block against each group's tiles.
 void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
                                  const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
-                                 uint16_t* out, int64_t g0, int64_t g1) {
+                                 uint16_t* out, int64_t g0, int64_t g1, bool stream) {
   configure_tiles();
   alignas(64) float acc[32 * 32];
   alignas(64) float bias_pad[32];
@@ -159,9 +170,10 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
         if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, acc);
         else tile_block<false, false>(a, x_stride * 2, wg, kb_count, acc);
       }
-      store_rows(acc, rows, bg, out + m * n + n0, n, cols);
+      store_rows(acc, rows, bg, out + m * n + n0, n, cols, stream);
     }
   }
+  if (stream) _mm_sfence();  // the streamed lines are visible before this task counts as done
   release_tiles();
 }
 #endif  // KVTOP_AMX
@@ -208,11 +220,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t blocks = (m + kBlockM - 1) / kBlockM, a_stride = a.stride(0);
+  const bool stream = m * n * 2 >= kStreamBytes;
   // one task = (M block, group); M-block major, so a thread's groups share that block's rows in L2
   at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {
       const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
-      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1);
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1, stream);
       t0 += g1 - g0;
     }
   });
