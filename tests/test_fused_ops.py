@@ -131,6 +131,23 @@ def test_silu_and_mul_matches_reference(dtype, tokens, intermediate):
     assert_matches(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_keeps_denormals_and_nans(dtype):
+    """A vector of 16 with a denormal or a NaN in it takes the exact rounding path (the fast bf16
+    conversion would flush the one to zero and keep the other's payload)."""
+    torch.manual_seed(7)
+    inter = 64
+    gate_up = torch.randn(4, 2 * inter).to(dtype)
+    gate_up[0, :16] = 2e-39  # silu(x) ~ x / 2: a denormal in fp32 and in bf16
+    gate_up[0, inter : inter + 16] = 1.0
+    gate_up[1, 3] = float("nan")  # in the gate
+    gate_up[2, inter + 5] = float("nan")  # in the up half
+    out, ref = cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)
+    assert torch.equal(out.isnan(), ref.isnan()) and int(ref.isnan().sum()) == 2
+    assert (out[0, :16] != 0).all() and (out[0, :16] > 0).all()  # not flushed
+    assert_matches(out.nan_to_num(), ref.nan_to_num())
+
+
 def test_float16_takes_the_reference_ops():
     x = torch.randn(8, 64, dtype=torch.float16)
     weight = torch.rand(64, dtype=torch.float16)
