@@ -179,8 +179,8 @@ inline float exp_fp32(float x) {
 #if defined(__AVX512F__)
 // SiLU-and-mul's rows in intrinsics (issue #13): what gcc made of the loop below ran at ~60 cycles per 16
 // elements, 3.5x the time of a copy of the same bytes, and the op took 8-11 % of a bf16 prefill step.
-// The same arithmetic: exp_fp32 lane-wise (its clamps and overflow; fma in the polynomial, which
-// moves an fp32 result by an ulp at most), a true division, and c10's rounding to bf16.
+// The same formula: exp_fp32 lane-wise (its clamps and overflow; fma in the polynomial), the division as
+// a reciprocal refined by one Newton step (within an fp32 ulp or so), c10's rounding to bf16.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
