@@ -2,7 +2,9 @@
 of one shape, causal without a mask when the chunk is the whole context) against the reference
 (`engine.kernels.reference.paged_prefill_attention`, the oracle), on random paged layouts.
 
-It is plain torch (no C++ build), so nothing here skips where the CPU kernel cannot be built.
+It is plain torch except in bfloat16 where the CPU has AMX tiles: there every group goes through
+our tile kernel (`csrc/amx_attention.cpp`, tested on its own in tests/test_amx_attention.py), and
+the bf16 tests below check it on paged layouts; elsewhere they check SDPA.
 
 Tolerances, stated once:
 - float32 queries over a float32, int8 or fp8 cache: 2e-5 abs and rel (both run SDPA in fp32 over
@@ -70,8 +72,10 @@ def test_other_block_sizes(block_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_16_bit_matches_reference(layout, dtype):
-    args, _ = case(layout, dtype=dtype, seed=5)
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_16_bit_matches_reference(layout, dtype, heads, kv_heads, head_dim):
+    args, _ = case(layout, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, seed=5)
     out = sdpa_prefill_attention(*args)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.paged_prefill_attention(*args).float(), **BF16_TOL)

@@ -31,8 +31,14 @@ from engine.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "amx_linear.cpp", CSRC / "fp32_linear.cpp"]
-HEADERS = [CSRC / "cephes_exp.h"]  # in the build key too: a changed header is a new build
+SOURCES = [
+    CSRC / "paged_attention.cpp",
+    CSRC / "fused_ops.cpp",
+    CSRC / "amx_linear.cpp",
+    CSRC / "amx_attention.cpp",
+    CSRC / "fp32_linear.cpp",
+]
+HEADERS = [CSRC / "cephes_exp.h", CSRC / "amx_tiles.h"]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they

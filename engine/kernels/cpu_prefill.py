@@ -12,6 +12,9 @@ only their own blocks:
   shared by the group. (Splitting it into an unmasked prefix part and a causal part merged by their
   log-sum-exp was slower unless the prefix is short next to the chunk: measured, not kept.)
 GQA goes through `enable_gqa` (no copy of K/V per query head): faster than repeating K/V.
+In bf16 where the CPU has AMX tiles, our own kernel (`csrc/amx_attention.cpp`) takes SDPA's place
+for every group, masks included: its products run on the tiles, and a tile of queries stops at its
+last visible key, where torch's flash kernel computed the causal half above the diagonal too.
 Padding whole prompts of different lengths into one causal launch was slower (64 prompts of
 20..44 tokens: SDPA's time grows with the padded length squared, 64 x 44 costs 2.4x 64 x 32), and
 so was one launch per sequence when shapes repeat: measured, not kept.
@@ -24,6 +27,7 @@ the in-place C++ kernel instead.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -88,7 +92,7 @@ def _attend_group(
     length: int,
     scale: float,
 ) -> None:
-    """SDPA for the sequences `seqs`, each with `n` new tokens and `length` tokens of context."""
+    """Attention for the sequences `seqs`, each with `n` new tokens and `length` tokens of context."""
     k_cache, v_cache, k_scale, v_scale = caches
     g, first = len(seqs), seqs[0]
     # sequences packed one after another (the usual case): their queries and outputs are views
@@ -104,20 +108,40 @@ def _attend_group(
     nblocks = -(-length // k_cache.shape[1])
     k = gather_kv(k_cache, tables, nblocks, q.dtype, k_scale)[:, :length]
     v = gather_kv(v_cache, tables, nblocks, q.dtype, v_scale)[:, :length]
+    if _amx_attention(queries, k):  # causal with the prefix's offset: query i sees keys <= length - n + i
+        o = torch.ops.kvtop_cpu.amx_causal_attention(queries, k, v, scale)
+    else:
+        o = _sdpa(queries, k, v, n, length, scale)
+    if packed:
+        out[rows].unflatten(0, (g, n)).copy_(o)
+    else:
+        out.index_copy_(0, rows, o.reshape(g * n, *o.shape[2:]))
+
+
+def _amx_attention(queries: torch.Tensor, k: torch.Tensor) -> bool:
+    """bf16, a head size the kernel takes, and AMX here (asked of the kernel extension once)."""
+    head_dim = queries.shape[-1]
+    return queries.dtype == k.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and _amx()
+
+
+@functools.cache
+def _amx() -> bool:
+    from engine.kernels import cpu
+
+    return cpu.load() and bool(torch.ops.kvtop_cpu.amx_supported())
+
+
+def _sdpa(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int, scale: float) -> torch.Tensor:
     mask = None
     if 1 < n < length:  # query i sits at position length - n + i and sees keys up to it
-        positions = torch.arange(length, device=q.device)
+        positions = torch.arange(length, device=queries.device)
         mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
-    o = F.scaled_dot_product_attention(
+    return F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
         is_causal=n == length and n > 1,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[2],
+        enable_gqa=queries.shape[2] != k.shape[2],
     ).transpose(1, 2)
-    if packed:
-        out[rows].unflatten(0, (g, n)).copy_(o)
-    else:
-        out.index_copy_(0, rows, o.reshape(g * n, *o.shape[2:]))

@@ -37,13 +37,7 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVTOP_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -59,34 +53,8 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 #ifdef KVTOP_AMX
 
-bool amx_permitted() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  const bool avx512bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
-  if (!(tile && bf16 && avx512bf16)) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-void release_tiles() { _tile_release(); }
+using kvtop_amx::configure_tiles;
+using kvtop_amx::release_tiles;
 
 // Rows [m0, m0 + 32) (two A tiles, or one when TWO_A is false) against group g (two B tiles),
 // all of K; the 32 x 32 fp32 result into `acc` (row stride 32 floats).
@@ -180,8 +148,7 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
 
 bool amx_supported() {
 #ifdef KVTOP_AMX
-  static const bool ok = amx_permitted();
-  return ok;
+  return kvtop_amx::supported();
 #else
   return false;
 #endif

@@ -6,6 +6,10 @@
 
 #include <cmath>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvtop_exp {
 
 constexpr float kLog2e = 1.44269504088896341f;
@@ -23,5 +27,21 @@ inline float reduced(float x, float n) {
   for (int i = 1; i < 6; ++i) p = p * r + kPoly[i];
   return p * r * r + r + 1.f;
 }
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 on 16 lanes (below -87 it gives exp(-87)): the polynomial above, with fma.
+// The softmax of paged_attention.cpp and of amx_attention.cpp.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, n);  // e * 2^n in one instruction (n >= -126 here: no denormal scale)
+}
+#endif
 
 }  // namespace kvtop_exp

@@ -267,19 +267,7 @@ inline __m512 load16(const T* p) {
   }
 }
 
-// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's polynomial, lane-wise.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kvtop_exp::kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kvtop_exp::kPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kvtop_exp::kPoly[i]));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-}
+using kvtop_exp::exp16;
 
 // Scales of one block's n rows for one head (int8: per token; fp8: per tensor; else 1), as 16 lanes.
 inline __m512 block_scales(const CacheView& c, int64_t block, int64_t head, int64_t n) {
