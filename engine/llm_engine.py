@@ -21,6 +21,7 @@ from engine.config import EngineConfig, format_bytes
 from engine.devices import TORCH_DTYPES, kv_memory_bytes, resolve_device, resolve_dtype
 from engine.errors import ConfigError, EngineDrainingError, InvalidRequestError
 from engine.faults import FaultInjector
+from engine.host_memory import keep_freed_memory
 from engine.kernels import get_backend, resolve_backend_name
 from engine.kv.block_manager import BlockManager
 from engine.kv.cache import KVCache
@@ -44,6 +45,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device == "cpu":
+            keep_freed_memory()  # a step's activations are not faulted in again at every step
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.start_time = time.time()
         t0 = time.time()
