@@ -6,7 +6,7 @@ unmaps chunks above its mmap threshold, and shrinks a thread's own arena — so 
 every page in again, zeroed by the kernel. Measured in `kvctl serve`, where the engine steps in its
 own thread (its own arena): 50–240 K page faults over `kvctl bench --num-prompts 32 --input-len 256
 --output-len 128 --max-concurrency 16`, 100 K in one 2,048-token step; with the settings below, under
-1 K over the whole run, and that load's TTFT P50 1.87–2.20 s → 1.21–1.44 s (three alternated starts
+1 K over the whole run, and that load's TTFT P50 1.46–2.22 s → 1.21–1.44 s (five alternated starts
 each way). The cost: the process keeps its peak heap (the largest step's activations) instead of
 returning it between steps.
 
