@@ -45,7 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device == "cpu":
+        if self.device.startswith("cpu"):
             keep_freed_memory()  # a step's activations are not faulted in again at every step
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.start_time = time.time()

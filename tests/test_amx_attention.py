@@ -51,7 +51,7 @@ def inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0):
 needs_amx = pytest.mark.skipif(not _amx(), reason="no AMX here: test_without_amx_prefill_keeps_sdpa checks that")
 
 # (sequences, new tokens, keys): one token, a partial tile, whole prompts of several tiles and of
-# several 64-query tasks, a chunk over a cached prefix (the first keys), one token over a prefix
+# two 256-query tasks (300), a chunk over a cached prefix (the first keys), one token over a prefix
 SHAPES = [(1, 1, 1), (2, 5, 5), (1, 17, 17), (3, 100, 100), (2, 256, 256), (1, 300, 300), (2, 12, 200), (1, 1, 77)]
 
 
@@ -113,6 +113,8 @@ def test_refuses_what_it_cannot_do():
         op(*inputs(1, 8, 8, 5, 2, 64), 0.1)
     with pytest.raises(RuntimeError, match="more queries than keys"):
         op(q, k[:, :4], v[:, :4], 0.1)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        op(q, k, v, 0.0)  # the softmax subtracts max(scores) * scale, the largest only for a positive scale
     assert op(q[:, :0], k, v, 0.1).shape == (1, 0, 4, 64)
 
 

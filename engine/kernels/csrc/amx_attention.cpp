@@ -8,7 +8,7 @@
 // q [S, N, Hq, D], k and v [S, L, Hkv, D] (S sequences of N new tokens over L keys each, the new
 // tokens the last N; last dims contiguous, any other strides; Hq a multiple of Hkv: GQA), bf16,
 // D a multiple of 32 up to 256. Query i of a sequence sees keys 0 .. L - N + i. One task is
-// (sequence, KV head, 64 queries): it lays out the keys and values it can see as AMX B tiles once
+// (sequence, KV head, 256 queries): it lays out the keys and values it can see as AMX B tiles once
 // (K transposed in bf16 pairs of dims, V in pairs of keys) and runs every query head of the group
 // over them, 16 queries at a time: scores on the tiles (fp32), the softmax in fp32 (AVX-512; the
 // probabilities rounded to bf16 for the second product, as torch's flash kernel does), P V on the
@@ -219,6 +219,7 @@ at::Tensor amx_causal_attention(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "amx_causal_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(d % 32 == 0 && d <= kMaxHeadDim, "amx_causal_attention: head_dim must be a multiple of 32 up to 256");
   TORCH_CHECK(n <= l, "amx_causal_attention: more queries than keys");
+  TORCH_CHECK(scale > 0, "amx_causal_attention: the scale must be positive");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "amx_causal_attention: last dims must be contiguous");
   at::Tensor out = at::empty({s, n, hq, d}, q.options());
   if (s == 0 || n == 0) return out;
