@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu
 from engine.kernels.cpu_prefill import _amx
+from engine.model.packed_linear import amx_available
+
+AMX = amx_available()  # loads (and on a first run builds) the kernel extension
 
 TOL = {"atol": 2e-2, "rtol": 2e-2}
 
@@ -48,7 +51,7 @@ def inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0):
     return q, k, v
 
 
-needs_amx = pytest.mark.skipif(not _amx(), reason="no AMX here: test_without_amx_prefill_keeps_sdpa checks that")
+needs_amx = pytest.mark.skipif(not AMX, reason="no AMX here: test_without_amx_prefill_keeps_sdpa checks that")
 
 # (sequences, new tokens, keys): one token, a partial tile, whole prompts of several tiles and of
 # two 256-query tasks (300), a chunk over a cached prefix (the first keys), one token over a prefix
@@ -124,9 +127,9 @@ def test_without_amx_prefill_keeps_sdpa():
     from engine.kernels import cpu_prefill
 
     q, k, _ = inputs(1, 4, 4, 2, 1, 64)
-    assert cpu_prefill._amx_attention(q, k) == _amx()
+    assert _amx() == AMX and cpu_prefill._amx_attention(q, k) == AMX
     assert not cpu_prefill._amx_attention(q.float(), k.float())
     assert not cpu_prefill._amx_attention(*inputs(1, 4, 4, 2, 1, 48)[:2])  # a head size it does not take
-    if not _amx():
+    if not AMX:
         with pytest.raises(RuntimeError, match="AMX"):
             torch.ops.kvtop_cpu.amx_causal_attention(*inputs(1, 4, 4, 2, 1, 64), 0.1)

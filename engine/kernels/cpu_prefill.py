@@ -27,7 +27,6 @@ the in-place C++ kernel instead.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -124,11 +123,18 @@ def _amx_attention(queries: torch.Tensor, k: torch.Tensor) -> bool:
     return queries.dtype == k.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and _amx()
 
 
-@functools.cache
-def _amx() -> bool:
-    from engine.kernels import cpu
+_AMX: list[bool] = []  # the extension's answer, once it is loaded
 
-    return cpu.load() and bool(torch.ops.kvtop_cpu.amx_supported())
+
+def _amx() -> bool:
+    """AMX tiles here, as the kernel extension says. The `cpu` backend loads the extension before any
+    prefill reaches this module; where it is not loaded (never built from here), SDPA serves."""
+    if not _AMX:
+        try:
+            _AMX.append(bool(torch.ops.kvtop_cpu.amx_supported()))
+        except (AttributeError, RuntimeError):  # the extension is not loaded (yet)
+            return False
+    return _AMX[0]
 
 
 def _sdpa(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int, scale: float) -> torch.Tensor:
