@@ -107,6 +107,19 @@ def test_bench_peak_under_forced_preemption_is_the_servers_own(tight_server, tmp
     assert "peak KV usage 100.0 %" in proc.stdout
 
 
+def test_scrapes_do_not_wait_behind_the_load(server, monkeypatch):
+    """Every connection of the load's pool held by a streaming request (one here) must not starve the
+    /metrics poll: with a scrape timeout far shorter than the request, no scrape fails."""
+    import asyncio
+
+    monkeypatch.setattr(bench, "SCRAPE_TIMEOUT", 0.3)
+    reqs = [bench.BenchRequest(prompt="one two three", max_tokens=400)]
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    results, duration, view = asyncio.run(bench.run_bench(server.url, model, reqs, max_concurrency=1))
+    assert results[0].ok and duration > 0.6, "the request must outlast two scrape timeouts"
+    assert view["failed_scrapes"] == 0 and view["peak_kv_usage"] > 0
+
+
 def test_bench_base_url_forms_are_the_same_server():
     root = "http://127.0.0.1:8401"
     for pasted in (root, f"{root}/", f"{root}/v1", f"{root}/v1/", f" {root}/v1 "):

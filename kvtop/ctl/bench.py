@@ -164,12 +164,15 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+SCRAPE_TIMEOUT = 5.0  # seconds for one /metrics scrape while the load runs
+
+
 async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event, peak: dict) -> None:
     """Sample KV usage while the run lasts. A failed scrape (a busy server, a timeout) is counted
     and the next one tried: one bad answer must not end the sampling for the rest of the run."""
     while not stop.is_set():
         try:
-            r = await client.get(f"{base}/metrics", timeout=5.0)
+            r = await client.get(f"{base}/metrics", timeout=SCRAPE_TIMEOUT)
             m = parse_metrics(r.text) if r.status_code == 200 else {}
             if KV_USAGE in m:
                 peak["kv"] = max(peak.get("kv", 0.0), m[KV_USAGE])
@@ -225,11 +228,16 @@ async def run_bench(
     url = f"{base}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        before = await _server_counters(client, base)
+    # the server's view through a client of its own: in the load's pool, with every connection held
+    # by a streaming request, a scrape waited for a free one and failed (two per run, typically)
+    async with (
+        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+        httpx.AsyncClient(timeout=timeout) as scraper,
+    ):
+        before = await _server_counters(scraper, base)
         stop = asyncio.Event()
         peak: dict = {}
-        poller = asyncio.create_task(_poll_server(client, base, stop, peak)) if before is not None else None
+        poller = asyncio.create_task(_poll_server(scraper, base, stop, peak)) if before is not None else None
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def fire(req: BenchRequest) -> RequestResult:
@@ -254,19 +262,23 @@ async def run_bench(
         if before is not None:
             stop.set()
             await poller
-            after = await _server_counters(client, base) or {}
-
-            def delta(name: str) -> float:
-                return after.get(name, 0.0) - before.get(name, 0.0)
-
-            queries = delta(PREFIX_QUERIES)
-            server = {
-                "prefix_hit_rate": delta(PREFIX_HITS) / queries if queries else 0.0,
-                "preemptions": delta(PREEMPTIONS),
-                "peak_kv_usage": peak_kv_usage(before, after, peak.get("kv", 0.0)),
-                "failed_scrapes": peak.get("failed_scrapes", 0),
-            }
+            server = _server_view(before, await _server_counters(scraper, base) or {}, peak)
     return list(results), duration, server
+
+
+def _server_view(before: dict[str, float], after: dict[str, float], peak: dict) -> dict:
+    """What the server saw of the run: its counters' change, the peak KV usage, the failed scrapes."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    queries = delta(PREFIX_QUERIES)
+    return {
+        "prefix_hit_rate": delta(PREFIX_HITS) / queries if queries else 0.0,
+        "preemptions": delta(PREEMPTIONS),
+        "peak_kv_usage": peak_kv_usage(before, after, peak.get("kv", 0.0)),
+        "failed_scrapes": peak.get("failed_scrapes", 0),
+    }
 
 
 def _stats(values: list[float]) -> dict:
