@@ -19,27 +19,19 @@ the heap. `KVTOP_MALLOC=0` keeps glibc's defaults; elsewhere than glibc nothing 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
-import threading
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 SETTINGS = ((M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20), (M_MMAP_THRESHOLD, 32 << 20))
 
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply SETTINGS once per process (before the engine's threads start, so that they share the
-    main arena). True when they are in force."""
-    with _lock:
-        if "on" not in _state:
-            _state["on"] = _apply()
-        return _state["on"]
-
-
-def _apply() -> bool:
+    main arena). True when they are in force. (Two first calls at once would both apply them: the
+    same values, no harm.)"""
     if os.environ.get("KVTOP_MALLOC", "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -67,6 +67,44 @@ void layout_values(const Bits* v, int64_t v_stride, int64_t nk, int64_t kpad, in
   }
 }
 
+// The 16-row A tile at `a` times the B tiles at b, b + 32, b + 64, b + 96 (two or four of them),
+// added into C tiles 0..3: one A load for every product, the products independent of each other.
+inline void a_times_bs(const Bits* a, int64_t a_stride, const Bits* b, int64_t b_stride, bool four) {
+  _tile_loadd(4, a, a_stride);
+  _tile_loadd(6, b, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, b + 32, b_stride);
+  _tile_dpbf16ps(1, 4, 7);
+  if (four) {
+    _tile_loadd(6, b + 64, b_stride);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, b + 96, b_stride);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+inline void zero_cs() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// C tiles 0..3 (or 0..1) to dst, dst + 16, ... (fp32, rows `stride` bytes apart).
+inline void store_cs(float* dst, int64_t stride, bool four) {
+  _tile_stored(0, dst, stride);
+  _tile_stored(1, dst + 16, stride);
+  if (four) {
+    _tile_stored(2, dst + 32, stride);
+    _tile_stored(3, dst + 48, stride);
+  }
+}
+
+// The first n of 16 lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 struct Scratch {
   std::vector<Bits> kt, vp, q, p;
   std::vector<float> s, o;
@@ -105,26 +143,10 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       // scores: 16 queries x 64 keys a pass, four C tiles (independent products in flight), all of D
       int64_t j = 0;
       for (; j + 64 <= ks; j += 64) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kk = 0; kk < d; kk += 32) {
-          const Bits* kt = &w.kt[(kk / 2) * kt_pitch * 2 + j * 2];
-          _tile_loadd(4, &w.q[kk], d * 2);
-          _tile_loadd(6, kt, kt_stride);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, kt + 32, kt_stride);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(6, kt + 64, kt_stride);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(7, kt + 96, kt_stride);
-          _tile_dpbf16ps(3, 4, 7);
-        }
-        _tile_stored(0, &w.s[j], s_stride * 4);
-        _tile_stored(1, &w.s[j + 16], s_stride * 4);
-        _tile_stored(2, &w.s[j + 32], s_stride * 4);
-        _tile_stored(3, &w.s[j + 48], s_stride * 4);
+        zero_cs();
+        for (int64_t kk = 0; kk < d; kk += 32)
+          a_times_bs(&w.q[kk], d * 2, &w.kt[(kk / 2) * kt_pitch * 2 + j * 2], kt_stride, true);
+        store_cs(&w.s[j], s_stride * 4, true);
       }
       for (; j < ks; j += 16) {  // the last 16..48 keys up to the diagonal, a tile at a time
         _tile_zero(0);
@@ -147,17 +169,14 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         const float* srow = &w.s[i * s_stride];
         const int64_t live = std::min(l, offset + t + i + 1);
         __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        j = 0;
-        for (; j + 16 <= live; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
-        const __mmask16 tail = static_cast<__mmask16>((1u << (live - j)) - 1);
-        if (live > j) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, srow + j));
+        for (j = 0; j < live; j += 16) {
+          const __mmask16 on = first_lanes(live - j);
+          vmax = _mm512_mask_max_ps(vmax, on, vmax, _mm512_maskz_loadu_ps(on, srow + j));
+        }
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
         __m512 vsum = _mm512_setzero_ps();
         for (j = 0; j < kp; j += 16) {
-          const __mmask16 on = j + 16 <= live ? static_cast<__mmask16>(0xffff)
-                               : j < live     ? static_cast<__mmask16>((1u << (live - j)) - 1)
-                                              : static_cast<__mmask16>(0);
-          const __m512 e = _mm512_maskz_mov_ps(on, kvtop_exp::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale, m)));
+          const __m512 e = _mm512_maskz_mov_ps(first_lanes(live - j), kvtop_exp::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale, m)));
           vsum = _mm512_add_ps(vsum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
         }
@@ -165,31 +184,11 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       }
       // P V: 16 queries x 64 dims a pass (four C tiles), keys 32 at a time
       for (int64_t c0 = 0; c0 < d; c0 += 64) {
-        const int64_t tiles = std::min<int64_t>(4, (d - c0) / 16);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kk = 0; kk < kp; kk += 32) {
-          _tile_loadd(4, &w.p[kk], s_stride * 2);
-          const Bits* vrow = &w.vp[(kk / 2) * d * 2 + c0 * 2];
-          _tile_loadd(6, vrow, vp_stride);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, vrow + 32, vp_stride);
-          _tile_dpbf16ps(1, 4, 7);
-          if (tiles > 2) {
-            _tile_loadd(6, vrow + 64, vp_stride);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(7, vrow + 96, vp_stride);
-            _tile_dpbf16ps(3, 4, 7);
-          }
-        }
-        _tile_stored(0, &w.o[c0], d * 4);
-        _tile_stored(1, &w.o[c0 + 16], d * 4);
-        if (tiles > 2) {
-          _tile_stored(2, &w.o[c0 + 32], d * 4);
-          _tile_stored(3, &w.o[c0 + 48], d * 4);
-        }
+        const bool four = d - c0 >= 64;  // else the last 32 dims
+        zero_cs();
+        for (int64_t kk = 0; kk < kp; kk += 32)
+          a_times_bs(&w.p[kk], s_stride * 2, &w.vp[(kk / 2) * d * 2 + c0 * 2], vp_stride, four);
+        store_cs(&w.o[c0], d * 4, four);
       }
       for (int64_t i = 0; i < rows; ++i) {
         Bits* orow = obase + (t + i) * out.stride(1) + head * out.stride(2);
@@ -227,7 +226,7 @@ at::Tensor amx_causal_attention(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t chunks = (n + kTaskQueries - 1) / kTaskQueries, tasks = s * hkv * chunks;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     kvtop_amx::configure_tiles();
-    Scratch w;
+    thread_local Scratch w;  // grown once per thread, reused by every layer's call
     for (int64_t t = t0; t < t1; ++t) {
       // a head's chunks in the order first, last, second, second to last...: later chunks see more
       // keys, and a thread's run of tasks then mixes heavy and light ones

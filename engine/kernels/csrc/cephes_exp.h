@@ -29,18 +29,22 @@ inline float reduced(float x, float n) {
 }
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 on 16 lanes (below -87 it gives exp(-87)): the polynomial above, with fma.
-// The softmax of paged_attention.cpp and of amx_attention.cpp.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// exp(x) = exp(x - n ln 2) * 2^n on 16 lanes, n given: the polynomial above, with fma.
+inline __m512 scaled16(__m512 x, __m512 n) {
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
   r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
   __m512 p = _mm512_set1_ps(kPoly[0]);
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
   const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(e, n);  // e * 2^n in one instruction (n >= -126 here: no denormal scale)
+  return _mm512_scalef_ps(e, n);  // e * 2^n in one instruction
+}
+
+// exp(x) for x <= 0 on 16 lanes (below -87 it gives exp(-87)): the softmax of paged_attention.cpp
+// and of amx_attention.cpp.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  return scaled16(x, _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
 

@@ -209,18 +209,12 @@ inline __m256i bf16_pack(__m512 f) {
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
 
-// exp_fp32 (below) on 16 lanes.
+// exp_fp32 (below) on 16 lanes: its clamps, its n, its overflow to inf.
 inline __m512 exp_fp32_16(__m512 x) {
   const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(kvtop_exp::kLog2e), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Hi), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kvtop_exp::kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kvtop_exp::kPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kvtop_exp::kPoly[i]));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512 scaled = _mm512_scalef_ps(e, n);
-  return _mm512_mask_mov_ps(scaled, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
+  return _mm512_mask_mov_ps(kvtop_exp::scaled16(xc, n), _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
                             _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
