@@ -456,3 +456,38 @@ async def test_keys_while_resizes_rebuild_the_layout_do_not_crash():
             await pilot.press("j", "k", "o", "enter", "slash", "x", "escape")
         await pilot.pause(0.3)
         assert app.is_running and app.screen is app.base
+
+
+@pytest.mark.anyio
+async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatch):
+    """The rebuild a resize starts, held open (0.3 s with no panels, then 0.3 s with a sequences
+    panel in the DOM before its table and filter box): the panels' keys (cursor, details, filter,
+    sort, zoom, tab) and the frames replay plays meanwhile must not reach a panel that is not
+    there yet. They used to raise NoMatches (kvtop gone, seen on a loaded CI machine)."""
+    from kvtop.dashboard.widgets.dashboard import Dashboard
+
+    held = []  # the windows open now
+
+    def slow(original):
+        async def wrapper(self, *args, **kwargs):
+            held.append(self)
+            await asyncio.sleep(0.3)
+            held.remove(self)
+            return await original(self, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(Dashboard, "mount_all", slow(Dashboard.mount_all))
+    monkeypatch.setattr(SequencesPanel, "mount_composed_widgets", slow(SequencesPanel.mount_composed_widgets))
+    app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[-1])))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("G")  # the last frame: sequences in the table
+        for size in [(80, 24), (160, 48)]:  # wide → tabs → wide
+            await pilot.resize_terminal(*size)  # returns while the rebuild sleeps
+            assert held
+            while held:
+                await pilot.press("j", "k", "enter", "z", "Z", "O", "1", "right", "slash", "escape", "G")
+            await pilot.pause(0.5)
+            assert app.is_running and app.screen is app.base
+            assert "Sequences (" in str(app.query_one(SequencesPanel).border_title)  # drawn once rebuilt
+            assert app.query_one(SequencesTable).row_count > 0

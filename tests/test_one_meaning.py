@@ -109,7 +109,13 @@ async def test_free_cached_used_shared_agree_on_every_surface(server):
         async with app.run_test(size=(160, 48)) as pilot:
             while not (app.source.current and app.source.current["kv"]["blocks"] == frame["kv"]["blocks"]):
                 await pilot.pause(0.1)
-            panel = widget_text(app.query_one(KVPanel))
+            # the poll thread sets `current` before the app draws it: wait for the panel's counts
+            # (a loaded machine took longer than one pause; the counts may not have been there)
+            for _ in range(50):
+                panel = widget_text(app.query_one(KVPanel))
+                if re.search(r"free\s+\d+", panel):
+                    break
+                await pilot.pause(0.1)
         after = server.stats()
         if after["kv"]["blocks"] == frame["kv"]["blocks"] == status_json["kv"]["blocks"]:
             break

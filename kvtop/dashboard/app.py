@@ -216,8 +216,9 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
 
     def _focus_sequences(self) -> None:
         """With every panel on screen, ↑/↓ move through the sequences (tab moves focus on)."""
-        if self.screen_stack and self.base.query_one(Dashboard).mode in ("wide", "overview"):
-            self.base.query_one(SequencesTable).focus()
+        tables = self.base.query(SequencesTable) if self.screen_stack else None
+        if tables and self.base.query_one(Dashboard).mode in ("wide", "overview"):
+            tables.first().focus()
 
     # ---- drawing ---------------------------------------------------------------------------
     def view(self) -> View | None:
@@ -257,8 +258,14 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
             return Text.assemble(("⏸ paused", "bold yellow"), f" (space resumes) · {src.path}{ro}")
         return Text.assemble(("● live ", "bold green"), f"{src.path} · every {src.interval:g}s{ro}")
 
+    @property
+    def rebuilding(self) -> bool:
+        """A resize is rebuilding the dashboard: its panels are in the DOM before their children."""
+        dashboards = self.base.query(Dashboard) if self.screen_stack else None
+        return bool(dashboards) and dashboards.first().rebuilding
+
     def redraw(self) -> None:
-        if not self.screen_stack:  # a message that lands while the app closes: nothing to draw on
+        if not self.screen_stack or self.rebuilding:  # closing, or mid-rebuild (LayoutRebuilt redraws)
             return
         header = self.base.query(EngineHeader)
         if not header:  # a frame that lands before the dashboard is mounted: the next one draws
@@ -277,7 +284,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
 
     def _redraw_one(self, kind: type) -> None:
         view = self.view()
-        if view is not None and self.screen_stack:
+        if view is not None and self.screen_stack and not self.rebuilding:
             for w in self.base.query(kind):
                 absent.draw(w, view)
 
@@ -292,6 +299,8 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "quit_now":  # ctrl+c, F10: from anywhere
             return True
+        if action in DASHBOARD_ACTIONS and action != "quit" and self.rebuilding:
+            return False  # a resize is rebuilding the panels these keys act on (a few ms)
         if action == "filter_done":
             return self.filtering
         if action == "fleet":  # escape: back to the fleet, unless a dialog or the filter has it

@@ -63,6 +63,7 @@ class Dashboard(Container):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.mode: str | None = None
+        self.rebuilding = False  # panels half-mounted: no key or frame may reach them
 
     def on_mount(self) -> None:
         without_colour(self.app)
@@ -128,7 +129,11 @@ class Dashboard(Container):
         mode = layout_for(*self.app.size)
         if mode != self.mode:
             self.mode = mode
-            await self.recompose()
+            self.rebuilding = True
+            try:
+                await self.recompose()
+            finally:
+                self.rebuilding = False
             self.post_message(LayoutRebuilt(mode))
 
     def show_tab(self, index: int) -> bool:
