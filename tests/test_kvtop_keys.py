@@ -334,12 +334,10 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
     app = KvtopApp(ReplaySource(read_snapshot(path)))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("G")
-        await pilot.pause(0.2)
-        assert "[/x]" in order(app)
+        await until(pilot, lambda: "[/x]" in order(app), "the last frame drawn")
         table = app.query_one(SequencesTable)
         table.move_cursor(row=order(app).index("[/x]"))
-        await pilot.pause(0.2)
-        assert app.state.selected_seq == "[/x]"
+        await until(pilot, lambda: app.state.selected_seq == "[/x]", "the selection")
         # the map highlights its blocks and names the selected id under it, as text, never as markup
         assert "[/x]" in app.query_one(BlockMap).border_subtitle.replace("\\[", "[")
         await pilot.press("enter")
@@ -352,8 +350,8 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         assert "Sequence [/x] (running)" in text(app.screen.query_one(".dialog-body"))
         await pilot.press("n")
         await pilot.press("slash", "left_square_bracket", "slash", "x", "enter")
-        await pilot.pause(0.2)
-        assert order(app) == ["[/x]"] and app.is_running
+        await until(pilot, lambda: order(app) == ["[/x]"], "the filtered table")
+        assert app.is_running
         await pilot.press("t", "left_square_bracket", "slash", "enter")  # jump to "[/": refused, quoted
         await pilot.pause(0.2)
         assert "cannot read '[/' as a time" in text(app.screen.query_one("#jump-error"))
