@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/peers.py                      # offline: fp32 and bf16, fixed and mixed workloads
     .venv/bin/python benchmarks/peers.py --dtype float32 --workload fixed
     .venv/bin/python benchmarks/peers.py --serving            # kvctl bench against kvctl serve, then vLLM's server
+    .venv/bin/python benchmarks/peers.py --serving --rounds 4 # both servers up, the same loads alternated
     make bench-peers                                          # builds .venv-vllm and the model first
 
 Offline, the SAME prompts (token ids) go through each engine in turn, each in its own process, never
@@ -288,7 +289,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="offline: runs of each workload in each engine's process")
-    ap.add_argument("--rounds", type=int, default=1, help="offline: start every engine this many times, in turn")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="offline: start every engine this many times, in turn; --serving: both servers up, the load alternated",
+    )
     ap.add_argument("--kv-gib", type=int, default=3, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--attention-backend", default="cpu", help="ours: cpu (default), reference, auto")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")

@@ -4,13 +4,25 @@ One server at a time, each started, warmed with 4 short requests, measured, then
 process tree). Both get the same prompts (kvctl bench's random dataset, same seed), streamed, greedy,
 ignore_eos. Reported per server: TTFT and ITL P50/P99, output tok/s, and output tokens per CPU-second
 of the server's process tree during the load.
+
+`--rounds N` (N > 1): both servers up at once, idle but for the load sent to one of them, and the
+load alternates between them — ours, vLLM, vLLM, ours, ... — round r with `--seed` + r for both, so
+that each server meets the same prompts at nearly the same moment. One run of each server on this
+machine moves by a third or more between starts; what alternation compares is the servers, not the
+minutes. The table gives each server's median over its runs and the median of the per-round ratios;
+the CPU-seconds the idle server used during the other's loads are reported (a server that spins while
+idle would take the cores from the other).
+
+    .venv/bin/python benchmarks/peers.py --serving --dtype bfloat16 --rounds 4
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,7 +106,9 @@ def bench(url: str, load: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def one_server(kind: str, dtype: str, args) -> dict:
+@contextlib.contextmanager
+def running(kind: str, dtype: str, args):
+    """A started, healthy and warmed server: (process, url, seconds it took to start)."""
     with tempfile.TemporaryDirectory(prefix=f"peers-{kind}-") as d:
         tmp, port = Path(d), free_port()
         cmd, env = server_cmd(kind, dtype, port, tmp, args)
@@ -107,15 +121,57 @@ def one_server(kind: str, dtype: str, args) -> dict:
             wait_healthy(proc, url, log, args.timeout)
             started = time.perf_counter() - t0
             bench(url, ["--num-prompts", "4", "--input-len", "32", "--output-len", "8"], tmp / "warm.json")
-            load_before, c0 = os.getloadavg()[0], tree_cpu_seconds(proc.pid)
-            rep = bench(url, args.serving_load.split(), tmp / "bench.json")
-            cpu = tree_cpu_seconds(proc.pid) - c0
+            yield proc, url, started
         finally:
             stop(proc)
+
+
+def with_seed(load: str, seed_offset: int) -> list[str]:
+    """The load's options with its --seed moved on by `seed_offset` (from 0 where it has none)."""
+    opts = load.split()
+    if "--seed" in opts:
+        at = opts.index("--seed") + 1
+        opts[at] = str(int(opts[at]) + seed_offset)
+    else:
+        opts += ["--seed", str(seed_offset)]
+    return opts
+
+
+def measure(kind: str, dtype: str, proc, url: str, load: list[str], idle=None) -> dict:
+    """One load against `url`; the CPU-seconds of the server's tree (and of an idle one's) meanwhile."""
+    with tempfile.TemporaryDirectory(prefix="peers-load-") as d:
+        load_before, c0 = os.getloadavg()[0], tree_cpu_seconds(proc.pid)
+        i0 = tree_cpu_seconds(idle.pid) if idle is not None else 0.0
+        rep = bench(url, load, Path(d) / "bench.json")
+        cpu = tree_cpu_seconds(proc.pid) - c0
+        idle_cpu = tree_cpu_seconds(idle.pid) - i0 if idle is not None else None
     tokens = rep["output_token_throughput"] * rep["duration_s"]
-    rep.update(server=kind, dtype=dtype, start_s=started, server_cpu_s=cpu, server_tok_per_cpu_s=tokens / cpu,
+    rep.update(server=kind, dtype=dtype, server_cpu_s=cpu, server_tok_per_cpu_s=tokens / cpu, idle_cpu_s=idle_cpu,
                load_before=load_before, load_after=os.getloadavg()[0])  # fmt: skip
     return rep
+
+
+def one_server(kind: str, dtype: str, args) -> dict:
+    with running(kind, dtype, args) as (proc, url, started):
+        rep = measure(kind, dtype, proc, url, args.serving_load.split())
+    rep.update(start_s=started, round=0)
+    return rep
+
+
+def alternated(dtype: str, args) -> list[dict]:
+    """Both servers up; round r sends the load (seed + r) to each in turn, the order flipped each round."""
+    reps = []
+    with running("ours", dtype, args) as ours, running("vllm", dtype, args) as vllm:
+        servers = {"ours": ours, "vllm": vllm}
+        for rnd in range(args.rounds):
+            order = ("ours", "vllm") if rnd % 2 == 0 else ("vllm", "ours")
+            for kind in order:
+                other = servers[order[1] if kind == order[0] else order[0]]
+                print(f"{dtype} round {rnd + 1}/{args.rounds}: {kind}…", file=sys.stderr, flush=True)
+                proc, url, started = servers[kind]
+                rep = measure(kind, dtype, proc, url, with_seed(args.serving_load, rnd), idle=other[0])
+                reps.append({**rep, "start_s": started, "round": rnd})
+    return reps
 
 
 def pick(rep: dict, keys: tuple[str, ...]) -> float | None:
@@ -124,22 +180,46 @@ def pick(rep: dict, keys: tuple[str, ...]) -> float | None:
     return rep
 
 
+def ratio(a: float | None, b: float | None, higher: bool) -> float | None:
+    """How many times better ours (a) is than vLLM's (b)."""
+    return (a / b if higher else b / a) if a and b else None
+
+
+def summary(reps: list[dict], dtype: str) -> tuple[dict, dict, list[float | None]]:
+    """Per metric: ours' and vLLM's medians over their runs, and the median of the per-round ratios."""
+    runs = {k: [r for r in reps if r["dtype"] == dtype and r["server"] == k] for k in ("ours", "vllm")}
+    med = {k: {} for k in runs}
+    ratios = []
+    for label, keys, _scale, higher in ROWS:
+        for k, rs in runs.items():
+            vals = [v for v in (pick(r, keys) for r in rs) if v is not None]
+            med[k][label] = statistics.median(vals) if vals else None
+        rounds = {r["round"] for r in runs["ours"]} & {r["round"] for r in runs["vllm"]}
+        per_round = [
+            ratio(*(pick(next(r for r in runs[k] if r["round"] == n), keys) for k in ("ours", "vllm")), higher)
+            for n in sorted(rounds)
+        ]
+        per_round = [x for x in per_round if x is not None]
+        ratios.append(statistics.median(per_round) if per_round else None)
+    return med["ours"], med["vllm"], ratios
+
+
 def print_table(reps: list[dict], load: str) -> None:
     for dtype in dict.fromkeys(r["dtype"] for r in reps):
-        ours = next((r for r in reps if r["dtype"] == dtype and r["server"] == "ours"), {})
-        vllm = next((r for r in reps if r["dtype"] == dtype and r["server"] == "vllm"), {})
-        print(f"\nserving, {dtype}, kvctl bench {load}")
+        ours, vllm, ratios = summary(reps, dtype)
+        n = max((r["round"] for r in reps if r["dtype"] == dtype), default=0) + 1
+        what = f"medians of {n} alternated rounds, ratio: median of the rounds' ratios" if n > 1 else "one run each"
+        print(f"\nserving, {dtype}, kvctl bench {load} ({what})")
         print(f"{'metric':22} {'kvctl serve':>12} {'vLLM':>12} {'ours vs vLLM':>13}")
-        for label, keys, scale, higher in ROWS:
-            a, b = pick(ours, keys), pick(vllm, keys)
-            cells = [f"{v * scale:12.1f}" if v is not None else f"{'–':>12}" for v in (a, b)]
-            ratio = (a / b if higher else b / a) if a and b else None
-            print(f"{label:22} {cells[0]} {cells[1]} {f'{ratio:12.2f}x' if ratio else '':>13}")
-        for r in (ours, vllm):
-            if r:
-                print(
-                    f"  {r['server']}: started in {r['start_s']:.0f} s, load {r['load_before']:.1f}/{r['load_after']:.1f}"
-                )
+        for (label, _keys, scale, _higher), r in zip(ROWS, ratios, strict=True):
+            cells = [f"{v[label] * scale:12.1f}" if v.get(label) is not None else f"{'–':>12}" for v in (ours, vllm)]
+            print(f"{label:22} {cells[0]} {cells[1]} {f'{r:12.2f}x' if r else '':>13}")
+        for r in (r for r in reps if r["dtype"] == dtype):
+            idle = f", the idle server {r['idle_cpu_s']:.1f} CPU-s" if r.get("idle_cpu_s") is not None else ""
+            print(
+                f"  round {r['round'] + 1} {r['server']:4}: TTFT P50 {r['ttft_s']['p50'] * 1000:,.0f} ms, "
+                f"{r['output_token_throughput']:.1f} tok/s, load {r['load_before']:.1f}/{r['load_after']:.1f}{idle}"
+            )
     print("ours vs vLLM: how many times better ours is (throughput ours/vLLM; latency vLLM/ours)")
 
 
@@ -148,6 +228,12 @@ def serving(args) -> list[dict]:
         sys.exit("peers --serving needs .venv and .venv-vllm (make vllm)")
     reps = []
     for dtype in args.dtype:
+        if args.rounds > 1:
+            try:
+                reps += alternated(dtype, args)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"  {dtype} failed: {exc}", file=sys.stderr, flush=True)
+            continue
         for kind in ("ours", "vllm"):
             print(f"{dtype} {kind} server: starting…", file=sys.stderr, flush=True)
             try:
