@@ -82,11 +82,12 @@ bench: model
 	$(BIN)/python benchmarks/throughput.py
 
 # ours beside vLLM's CPU build (the venv `make vllm` installs, not a second one) and transformers, one
-# engine after another on the same prompts, then kvctl bench against both servers (benchmarks/README.md)
+# engine after another on the same prompts, then kvctl bench against both servers, both up and the load
+# alternated between them four times (benchmarks/README.md)
 .PHONY: bench-peers
 bench-peers: vllm model
 	KVTOP_VLLM_VENV=$(VLLM_VENV) $(BIN)/python benchmarks/peers.py $(PEERS_ARGS)
-	KVTOP_VLLM_VENV=$(VLLM_VENV) $(BIN)/python benchmarks/peers.py --serving --dtype float32 $(PEERS_ARGS)
+	KVTOP_VLLM_VENV=$(VLLM_VENV) $(BIN)/python benchmarks/peers.py --serving --dtype float32 --rounds 4 $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo_outputs.jsonl
