@@ -159,18 +159,21 @@ def one_server(kind: str, dtype: str, args) -> dict:
 
 
 def alternated(dtype: str, args) -> list[dict]:
-    """Both servers up; round r sends the load (seed + r) to each in turn, the order flipped each round."""
-    reps = []
-    with running("ours", dtype, args) as ours, running("vllm", dtype, args) as vllm:
-        servers = {"ours": ours, "vllm": vllm}
-        for rnd in range(args.rounds):
-            order = ("ours", "vllm") if rnd % 2 == 0 else ("vllm", "ours")
-            for kind in order:
-                other = servers[order[1] if kind == order[0] else order[0]]
-                print(f"{dtype} round {rnd + 1}/{args.rounds}: {kind}…", file=sys.stderr, flush=True)
-                proc, url, started = servers[kind]
-                rep = measure(kind, dtype, proc, url, with_seed(args.serving_load, rnd), idle=other[0])
-                reps.append({**rep, "start_s": started, "round": rnd})
+    """Both servers up; round r sends the load (seed + r) to each in turn, the order flipped each round.
+    A server that fails ends the rounds; the runs measured before it are kept."""
+    reps: list[dict] = []
+    try:
+        with running("ours", dtype, args) as ours, running("vllm", dtype, args) as vllm:
+            servers = {"ours": ours, "vllm": vllm}
+            for rnd in range(args.rounds):
+                order = ("ours", "vllm") if rnd % 2 == 0 else ("vllm", "ours")
+                for kind, other in (order, order[::-1]):
+                    print(f"{dtype} round {rnd + 1}/{args.rounds}: {kind}…", file=sys.stderr, flush=True)
+                    proc, url, started = servers[kind]
+                    rep = measure(kind, dtype, proc, url, with_seed(args.serving_load, rnd), idle=servers[other][0])
+                    reps.append({**rep, "start_s": started, "round": rnd})
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"  {dtype}: stopped after {len(reps)} runs: {exc}", file=sys.stderr, flush=True)
     return reps
 
 
@@ -229,10 +232,7 @@ def serving(args) -> list[dict]:
     reps = []
     for dtype in args.dtype:
         if args.rounds > 1:
-            try:
-                reps += alternated(dtype, args)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"  {dtype} failed: {exc}", file=sys.stderr, flush=True)
+            reps += alternated(dtype, args)
             continue
         for kind in ("ours", "vllm"):
             print(f"{dtype} {kind} server: starting…", file=sys.stderr, flush=True)

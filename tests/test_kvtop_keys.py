@@ -489,3 +489,5 @@ async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatc
             assert app.is_running and app.screen is app.base
             assert "Sequences (" in str(app.query_one(SequencesPanel).border_title)  # drawn once rebuilt
             assert app.query_one(SequencesTable).row_count > 0
+            footer = [k.description for k in app.query("FooterKey")]  # the keys are back in the footer
+            assert {"Filter", "Sort", "Help", "Jump"} <= set(footer), footer

@@ -134,6 +134,7 @@ class Dashboard(Container):
                 await self.recompose()
             finally:
                 self.rebuilding = False
+            self.refresh_bindings()  # the footer hid the panels' keys while they could not fire
             self.post_message(LayoutRebuilt(mode))
 
     def show_tab(self, index: int) -> bool:
