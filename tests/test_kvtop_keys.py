@@ -481,13 +481,12 @@ async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatc
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.press("G")  # the last frame: sequences in the table
         for size in [(80, 24), (160, 48)]:  # wide → tabs → wide
-            await pilot.resize_terminal(*size)  # returns while the rebuild sleeps
-            assert held
-            while held:
+            await pilot.resize_terminal(*size)
+            await until(pilot, lambda: held, "the rebuild to start", timeout=10)
+            while held or app.query_one(Dashboard).rebuilding:  # both windows, and between them
                 await pilot.press("j", "k", "enter", "z", "Z", "O", "1", "right", "slash", "escape", "G")
-            await pilot.pause(0.5)
+            await until(pilot, lambda: "Sequences (" in str(app.query_one(SequencesPanel).border_title), "a redraw")
             assert app.is_running and app.screen is app.base
-            assert "Sequences (" in str(app.query_one(SequencesPanel).border_title)  # drawn once rebuilt
             assert app.query_one(SequencesTable).row_count > 0
             footer = [k.description for k in app.query("FooterKey")]  # the keys are back in the footer
             assert {"Filter", "Sort", "Help", "Jump"} <= set(footer), footer
