@@ -148,8 +148,7 @@ class SequenceActions:
 
     def _sequences(self) -> SequencesPanel | None:
         panels = self.base.query(SequencesPanel)
-        panel = panels.first() if panels else None  # none in a too-small terminal
-        return panel if panel is not None and panel.composed else None
+        return panels.first() if panels else None  # none in a too-small terminal
 
     def action_filter(self) -> None:
         """`/` (a priority key): the filter box has the keyboard before the next key is read."""

@@ -263,12 +263,6 @@ class SequencesPanel(Vertical):
     def table(self) -> SequencesTable:
         return self.query_one(SequencesTable)
 
-    @property
-    def composed(self) -> bool:
-        """Its table and filter box are mounted: not yet while a resize rebuilds the layout (the
-        panel is in the DOM before its children), when a key or a frame may already reach it."""
-        return bool(self.query("#seq-table")) and bool(self.query("#seq-filter"))
-
     def show(self, view: View) -> None:
         self.view = view
         st = view.state
