@@ -122,3 +122,42 @@ def test_token_texts_describe_exactly_the_returned_text(tokenizer):
     # while streaming, only tokens whose whole text is out are described
     cursor = TokenCursor(decode)
     assert cursor.take(ids[:3], 2, finished=False) == [(0, "Hi", 0)]
+
+
+def test_connections_are_accepted_with_nagle_off():
+    """The API's connections send each write at once: with Nagle on (asyncio leaves it on for a
+    socket made by `socket.create_server`), a kept-alive client's every later request waited ~40 ms
+    for its own delayed ACK, and a stream's first chunk did too."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+
+    from engine.server.app import _Server, _uvicorn_config
+    from engine.server.sockets import bind_tcp
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = bind_tcp("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = _Server(_uvicorn_config(app, "warning"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(100):
+                if server.started:
+                    break
+                threading.Event().wait(0.05)
+            assert [http.get("/").text for _ in range(3)] == ["ok"] * 3  # one kept-alive connection
+            (conn,) = server.server_state.connections
+            accepted = conn.transport.get_extra_info("socket")
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        server.should_exit = True
+        thread.join(10)
