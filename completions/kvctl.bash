@@ -32,10 +32,11 @@ _kvctl_complete() {
                 --seed) COMPREPLY=(); return 0 ;;
                 --slo) COMPREPLY=(); return 0 ;;
                 --api-key) COMPREPLY=(); return 0 ;;
+                --scrape-interval) COMPREPLY=(); return 0 ;;
                 --json) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--base-url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--base-url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --scrape-interval --json --help" -- "$cur") )
             fi
             ;;
         completion)

@@ -35,6 +35,7 @@ complete -c kvctl -n '__fish_seen_subcommand_from bench' -l slo -x -d 'Goodput S
 complete -c kvctl -n '__fish_seen_subcommand_from bench' -l ignore-eos -d 'Ask for exactly max_tokens vLLMs extension.'
 complete -c kvctl -n '__fish_seen_subcommand_from bench' -l no-ignore-eos -d 'Ask for exactly max_tokens vLLMs extension.'
 complete -c kvctl -n '__fish_seen_subcommand_from bench' -l api-key -x -d 'Bearer key.'
+complete -c kvctl -n '__fish_seen_subcommand_from bench' -l scrape-interval -x -d 'Seconds between /metrics samples of a kvtop servers KV usage during the run 0, o'
 complete -c kvctl -n '__fish_seen_subcommand_from bench' -l json -r -F -d 'Write the report here.'
 complete -c kvctl -n '__fish_seen_subcommand_from bench' -l help -d 'Show help and exit.'
 complete -c kvctl -n '__fish_seen_subcommand_from completion' -l prog -x -d 'The program to complete, kvctl or kvtop.'

@@ -66,6 +66,7 @@ def test_bench_bad_arguments(tmp_path):
         (["--dataset", "nope"], "use one of random, shared-prefix"),
         (["--input-len", "9:3"], "MIN <= MAX"),
         (["--slo", "p99=3"], "bad --slo part"),
+        (["--scrape-interval", "-1"], "must be 0 or more"),
         (["--dataset", "jsonl", "--file", str(bad)], "expected a JSON object"),
     ):
         proc = kvctl("bench", *args)
@@ -115,7 +116,8 @@ def test_scrapes_do_not_wait_behind_the_load(server, monkeypatch):
     monkeypatch.setattr(bench, "SCRAPE_TIMEOUT", 0.3)
     reqs = [bench.BenchRequest(prompt="one two three", max_tokens=400)]
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-    results, duration, view = asyncio.run(bench.run_bench(server.url, model, reqs, max_concurrency=1))
+    run = bench.run_bench(server.url, model, reqs, max_concurrency=1, scrape_interval=0.1)
+    results, duration, view = asyncio.run(run)
     assert results[0].ok and duration > 0.6, "the request must outlast two scrape timeouts"
     assert view["failed_scrapes"] == 0 and view["peak_kv_usage"] > 0
 
@@ -159,7 +161,9 @@ def test_the_metrics_poller_survives_failed_scrapes():
         peak: dict = {}
         stop = asyncio.Event()
         async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(bench._poll_server(client, f"http://127.0.0.1:{srv.server_port}", stop, peak))
+            task = asyncio.create_task(
+                bench._poll_server(client, f"http://127.0.0.1:{srv.server_port}", stop, peak, 0.1)
+            )
             deadline = time.monotonic() + 30
             while "kv" not in peak and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)

@@ -165,11 +165,17 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 SCRAPE_TIMEOUT = 5.0  # seconds for one /metrics scrape while the load runs
+# A scrape costs a kvtop server ~4-8 ms of CPU under the GIL its engine thread needs: at 10 a
+# second the load tool itself cost the server ~10 % of its throughput and TTFT (benchmarks/README.md).
+SCRAPE_INTERVAL = 1.0
 
 
-async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event, peak: dict) -> None:
-    """Sample KV usage while the run lasts. A failed scrape (a busy server, a timeout) is counted
-    and the next one tried: one bad answer must not end the sampling for the rest of the run."""
+async def _poll_server(
+    client: httpx.AsyncClient, base: str, stop: asyncio.Event, peak: dict, interval: float = SCRAPE_INTERVAL
+) -> None:
+    """Sample KV usage every `interval` seconds while the run lasts. A failed scrape (a busy
+    server, a timeout) is counted and the next one tried: one bad answer must not end the
+    sampling for the rest of the run."""
     while not stop.is_set():
         try:
             r = await client.get(f"{base}/metrics", timeout=SCRAPE_TIMEOUT)
@@ -180,8 +186,8 @@ async def _poll_server(client: httpx.AsyncClient, base: str, stop: asyncio.Event
                 peak["failed_scrapes"] = peak.get("failed_scrapes", 0) + 1
         except (httpx.HTTPError, ValueError):
             peak["failed_scrapes"] = peak.get("failed_scrapes", 0) + 1
-        try:  # short runs must still be sampled while requests hold blocks
-            await asyncio.wait_for(stop.wait(), timeout=0.1)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
         except asyncio.TimeoutError:
             pass
 
@@ -223,6 +229,7 @@ async def run_bench(
     api_key: str | None = None,
     timeout: float = 600.0,
     on_done: Callable[[RequestResult], None] | None = None,
+    scrape_interval: float = SCRAPE_INTERVAL,
 ) -> tuple[list[RequestResult], float, dict]:
     base = api_base(base_url)
     url = f"{base}/v1/completions"
@@ -237,7 +244,9 @@ async def run_bench(
         before = await _server_counters(scraper, base)
         stop = asyncio.Event()
         peak: dict = {}
-        poller = asyncio.create_task(_poll_server(scraper, base, stop, peak)) if before is not None else None
+        poller = None
+        if before is not None and scrape_interval > 0:
+            poller = asyncio.create_task(_poll_server(scraper, base, stop, peak, scrape_interval))
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def fire(req: BenchRequest) -> RequestResult:
@@ -261,7 +270,8 @@ async def run_bench(
         server: dict = {}
         if before is not None:
             stop.set()
-            await poller
+            if poller is not None:
+                await poller
             server = _server_view(before, await _server_counters(scraper, base) or {}, peak)
     return list(results), duration, server
 

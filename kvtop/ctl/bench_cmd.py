@@ -59,6 +59,13 @@ def bench_run(
     slo: Annotated[str | None, typer.Option(help="Goodput SLO in ms, e.g. ttft=500,tpot=50.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly max_tokens (vLLM's extension).")] = True,
     api_key: Annotated[str | None, typer.Option(envvar="KVTOP_API_KEY", help="Bearer key.")] = None,
+    scrape_interval: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between /metrics samples of a kvtop server's KV usage during the run (0: only "
+            "before and after; each scrape costs the server CPU)."
+        ),
+    ] = bench.SCRAPE_INTERVAL,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
     """Send a workload, streaming, and report TTFT, TPOT, ITL, e2e (mean/P50/P95/P99), throughput,
@@ -67,6 +74,8 @@ def bench_run(
         return
     if num_prompts <= 0:
         raise typer.BadParameter("must be positive", param_hint="--num-prompts")
+    if scrape_interval < 0:
+        raise typer.BadParameter("must be 0 or more", param_hint="--scrape-interval")
     if request_rate <= 0 or burstiness <= 0:
         raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
     try:
@@ -79,12 +88,13 @@ def bench_run(
     model = _served_model(base_url, model, api_key)
     results, duration, server = _with_progress(
         dataset, len(reqs), lambda on_done: bench.run_bench(
-            base_url, model, reqs, request_rate, burstiness, max_concurrency, seed, ignore_eos, api_key, on_done=on_done
+            base_url, model, reqs, request_rate, burstiness, max_concurrency, seed, ignore_eos, api_key, on_done=on_done,
+            scrape_interval=scrape_interval,
         ),
     )  # fmt: skip
     meta = {"base_url": base_url, "model": model, "dataset": dataset, "num_prompts": num_prompts,
             "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
-            "max_concurrency": max_concurrency, "seed": seed}  # fmt: skip
+            "max_concurrency": max_concurrency, "seed": seed, "scrape_interval_s": scrape_interval}  # fmt: skip
     rep = bench.report(results, duration, server, slo_s, meta)
     if json_path:
         json_path.write_text(json.dumps(rep, indent=2))
