@@ -72,12 +72,7 @@ def bench_run(
     goodput, and the server's own view when it is kvtop."""
     if ctx.invoked_subcommand is not None:
         return
-    if num_prompts <= 0:
-        raise typer.BadParameter("must be positive", param_hint="--num-prompts")
-    if scrape_interval < 0:
-        raise typer.BadParameter("must be 0 or more", param_hint="--scrape-interval")
-    if request_rate <= 0 or burstiness <= 0:
-        raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
+    _check_numbers(num_prompts, request_rate, burstiness, scrape_interval)
     try:
         slo_s = bench.parse_slo(slo)
     except ValueError as exc:
@@ -101,6 +96,15 @@ def bench_run(
     print_report(rep)
     if rep["completed"] == 0:
         raise typer.Exit(1)
+
+
+def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scrape_interval: float) -> None:
+    if num_prompts <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--num-prompts")
+    if request_rate <= 0 or burstiness <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
+    if scrape_interval < 0:
+        raise typer.BadParameter("must be 0 or more", param_hint="--scrape-interval")
 
 
 def _workload(
