@@ -29,6 +29,7 @@ from engine.kv.cpu_tier import CpuTier
 from engine.log import log
 from engine.metrics import Metrics
 from engine.model.loader import load_model
+from engine.model.packed_linear import prefill_copy_note
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
@@ -54,7 +55,7 @@ class LLMEngine:
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
         self.model_path = loaded.path
         self.eos_token_ids = loaded.eos_token_ids
-        self.weights_bytes = loaded.weights_bytes
+        self.weights_bytes, self.prefill_copy_bytes = loaded.weights_bytes, loaded.prefill_copy_bytes
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.model.build_rope_cache(self.max_model_len)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
@@ -113,6 +114,7 @@ class LLMEngine:
             f"attention {self.attention_backend}; KV {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, "
             f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}; "
             f"{at_len} concurrent sequences at max_model_len={self.max_model_len}"
+            + prefill_copy_note(self.weights_bytes, self.prefill_copy_bytes)
         )
 
     # ---- requests ------------------------------------------------------------------------

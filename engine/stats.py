@@ -207,6 +207,7 @@ def _memory(engine: LLMEngine) -> dict:
         "device_total": device_total,
         "device_used": device_used,
         "weights": engine.weights_bytes,
+        "prefill_copy": engine.prefill_copy_bytes,
         "kv": engine.kv.total_bytes,
         "nvml": _nvml(engine),
     }

@@ -12,6 +12,8 @@ from torch import nn
 from engine import LLM, SamplingParams
 from engine.model.packed_linear import (
     ENV,
+    LARGE_ENV,
+    LARGE_ROWS,
     PROJECTIONS,
     AMXLinear,
     OneDNNLinear,
@@ -23,6 +25,7 @@ from engine.model.packed_linear import (
     fp32_kernel_available,
     pack_model,
     packed_linear,
+    second_copy_bytes,
 )
 from tests.helpers import random_prompts
 
@@ -247,3 +250,38 @@ def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
         assert type(model.embed_tokens) is TiledEmbedding and dense == []
     else:  # oneDNN's packed weight cannot be read by rows: the lookup keeps the dense table
         assert dense == ["embed_tokens.weight"]
+
+
+@pytest.mark.skipif(not (AMX and BF16_PACKS), reason="the prefill copy is oneDNN's, beside AMX tiles")
+@pytest.mark.parametrize("rows", [LARGE_ROWS - 16, LARGE_ROWS, 2048])
+def test_a_long_prefill_step_runs_on_the_prefill_copy_and_matches_nn_linear(rows):
+    """From LARGE_ROWS rows an AMX projection holding oneDNN's copy computes on that copy; below
+    it, on its tiles. Either way within an ulp of nn.Linear."""
+    linear = _linear(torch.bfloat16, 960, 576, True)
+    packed = AMXLinear(linear.weight, linear.bias, large=True)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = packed(x)
+        torch.testing.assert_close(got, linear(x), **BF16_TOL)
+        tiles = torch.ops.kvtop_cpu.amx_linear(x, packed.weight, packed.bias_fp32, packed.out_features)
+        assert torch.equal(got, packed.large(x) if rows >= LARGE_ROWS else tiles)
+
+
+@pytest.mark.skipif(not (AMX and BF16_PACKS), reason="the prefill copy is oneDNN's, beside AMX tiles")
+def test_the_prefill_copy_keeps_the_greedy_tokens_and_is_reported_beside_the_weights(tiny_models, monkeypatch):
+    """A step of 1,600 prompt tokens (past LARGE_ROWS) with and without the copy: the same greedy
+    tokens; the stats report the copy apart, and `weights` keeps the meaning `kvctl plan` gives it."""
+    monkeypatch.delenv(ENV, raising=False)
+    prompts = random_prompts(8, (200, 200), seed=13)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(LARGE_ENV, mode)
+        llm = LLM(str(tiny_models["smollm-tied"]), dtype="bfloat16", kv_cache_memory="8MiB", quiet=True)
+        runs[mode] = ([o.token_ids for o in llm.generate(prompts, params)], llm.stats()["memory"], llm)
+    (with_copy, mem_copy, llm_copy), (without, mem_plain, _) = runs["1"], runs["0"]
+    assert with_copy == without and all(len(t) == 6 for t in with_copy)
+    qkv = llm_copy.engine.model.layers[0].qkv_proj
+    assert mem_copy["prefill_copy"] == second_copy_bytes(llm_copy.engine.model) > 0 and qkv.large is not None
+    assert mem_plain["prefill_copy"] == 0 and mem_copy["weights"] == mem_plain["weights"]
+    assert "a oneDNN copy of the projections" in llm_copy.engine.summary()

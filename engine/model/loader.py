@@ -16,7 +16,7 @@ from engine.log import log
 from engine.model import default
 from engine.model.gguf import convert_gguf
 from engine.model.llama import CausalLM
-from engine.model.packed_linear import pack_model
+from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec, read_spec, spec_from_config
 from engine.paths import cache_dir
 
@@ -42,7 +42,8 @@ class LoadedModel:
     tokenizer: object
     path: Path
     eos_token_ids: set[int]
-    weights_bytes: int
+    weights_bytes: int  # the model's parameters at its dtype (what `kvctl plan` counts)
+    prefill_copy_bytes: int = 0  # held besides: oneDNN's copy of the AMX projections for long prefill steps
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -112,4 +113,5 @@ def load_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
         eos_ids.add(tokenizer.eos_token_id)
     weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
-    return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes)
+    copy = second_copy_bytes(net)
+    return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, copy)

@@ -40,6 +40,12 @@ from engine.log import log
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ENV = "KVTOP_PACKED_LINEAR"
+LARGE_ENV = "KVTOP_LARGE_GEMM"
+# From this many rows (a long prefill step) an AMX projection runs on oneDNN's packed GEMM, where it
+# holds that copy too: SmolLM2-135M bf16, 2-core AMX VM, whole prefill steps alternated in one
+# process: 2,048 rows 0.79x the step time, 1,536 0.85x, 1,024 1.07x, 512 1.09x, 256 1.01x.
+LARGE_ROWS = 1536
+LARGE_COPY_MAX = 1 << 30  # `auto` holds the second copy only up to this size (SmolLM2-135M: 203 MiB)
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -105,16 +111,20 @@ class AMXLinear(nn.Module):
     """bf16 linear on AMX tiles: `weight` holds the tile layout ([N/32, K/32, 2, 16, 32], same bytes
     as the original up to padding to 32); `dense_weight()` reads the original back."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, large: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(_pack_tiles(weight), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         # the kernel adds the bias in fp32: converted once here, not on every call
         self.register_buffer("bias_fp32", None if bias is None else bias.detach().float(), persistent=False)
+        # prefill-sized inputs (LARGE_ROWS rows and more) go to oneDNN's packed GEMM: a second copy
+        self.large = OneDNNLinear(weight, bias, LARGE_ROWS) if large else None
         self(weight.new_zeros(1, self.in_features))  # an op that fails here fails at load, not mid-step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large is not None and x.numel() >= LARGE_ROWS * self.in_features:
+            return self.large(x)
         return torch.ops.kvtop_cpu.amx_linear(x, self.weight, self.bias_fp32, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
@@ -143,12 +153,24 @@ class TiledEmbedding(nn.Module):
         return dense.contiguous().view(*ids.shape, self.embedding_dim)
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64) -> nn.Module:
+def packed_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, large: bool = False
+) -> nn.Module:
     """The packed layer for this weight: AMX where the CPU has it (unless KVTOP_PACKED_LINEAR=onednn),
-    else oneDNN's."""
+    else oneDNN's. `large`: an AMX layer also holds oneDNN's copy for prefill-sized inputs."""
     if weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn" and amx_available():
-        return AMXLinear(weight, bias)
+        return AMXLinear(weight, bias, large=large)
     return OneDNNLinear(weight, bias, batch_hint)
+
+
+def large_gemm_copy(projection_bytes: int) -> bool:
+    """Whether the AMX projections also hold oneDNN's packed copy for prefill-sized inputs
+    (`KVTOP_LARGE_GEMM`: `auto`, the default, when that copy is at most LARGE_COPY_MAX bytes;
+    `1` always; `0` never)."""
+    mode = os.environ.get(LARGE_ENV, "auto")
+    if mode == "0" or not onednn_available(torch.bfloat16):
+        return False
+    return mode == "1" or projection_bytes <= LARGE_COPY_MAX
 
 
 class SmallBatchLinear(nn.Linear):
@@ -211,6 +233,27 @@ def applies(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in packed_dtypes() and onednn_available(weight.dtype)
 
 
+def second_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the oneDNN copies AMX projections hold for prefill-sized inputs (0 without them)."""
+    return sum(
+        sum(p.numel() * p.element_size() for p in m.large.parameters())
+        for m in model.modules()
+        if isinstance(m, AMXLinear) and m.large is not None
+    )
+
+
+def prefill_copy_note(weights_bytes: int, copy_bytes: int) -> str:
+    """The engine's start line's word on the copy ("" without one)."""
+    from engine.config import format_bytes
+
+    if not copy_bytes:
+        return ""
+    return (
+        f"; weights {format_bytes(weights_bytes)} + {format_bytes(copy_bytes)}: a oneDNN copy of the "
+        f"projections for prefill steps of {LARGE_ROWS:,}+ tokens ({LARGE_ENV}=0: without)"
+    )
+
+
 def unpacked(layer: OneDNNLinear | AMXLinear) -> nn.Linear:
     """The plain nn.Linear a packed layer came from (same weight and bias)."""
     linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
@@ -231,11 +274,13 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
         _small_batch_fp32(model)
         return False
     done: list[tuple[nn.Module, str]] = []
+    projections = [getattr(layer, name).weight for layer in model.layers for name in PROJECTIONS]
+    large = large_gemm_copy(sum(w.numel() * w.element_size() for w in projections))
     try:
         for layer in model.layers:
             for name in PROJECTIONS:
                 linear = getattr(layer, name)
-                setattr(layer, name, packed_linear(linear.weight, linear.bias, batch_hint))
+                setattr(layer, name, packed_linear(linear.weight, linear.bias, batch_hint, large=large))
                 done.append((layer, name))
         # compute_logits uses it when present; a tied embedding's lookup then reads its tiles (below)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

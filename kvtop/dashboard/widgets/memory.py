@@ -25,7 +25,12 @@ class MemoryPanel(Panel):
             Text.assemble(
                 ("used      ", "bold"), fmt.gauge(used / total if total else 0, bar), f" {fmt.size(used):>10}"
             ),
-            fmt.label_value("weights", fmt.size(m.get("weights")), 10),
+            fmt.label_value(
+                "weights",
+                fmt.size(m.get("weights"))
+                + (f" + {fmt.size(m['prefill_copy'])} prefill copy" if m.get("prefill_copy") else ""),
+                10,
+            ),
             fmt.label_value(
                 "KV",
                 f"{fmt.size(m.get('kv'))}"
