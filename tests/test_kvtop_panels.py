@@ -33,6 +33,14 @@ def test_memory_with_and_without_nvml():
     assert "70.0 GiB / 80.0 GiB" in text
 
 
+def test_memory_shows_a_prefill_copy_beside_the_weights_only_where_there_is_one():
+    frame = copy.deepcopy(FRAMES[-1])  # a snapshot from before the field: no copy shown
+    assert "prefill copy" not in MemoryPanel().draw(view(frame), 70, 10).plain
+    frame["memory"]["prefill_copy"] = 203 * 2**20
+    line = next(t for t in MemoryPanel().draw(view(frame), 70, 10).plain.splitlines() if t.startswith("weights"))
+    assert "+ 203.0 MiB prefill copy" in line
+
+
 def test_drain_detail_in_the_header():
     frame = copy.deepcopy(FRAMES[-1])
     assert drain_detail(frame) == ""
