@@ -114,7 +114,7 @@ class LLMEngine:
             f"attention {self.attention_backend}; KV {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, "
             f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}; "
             f"{at_len} concurrent sequences at max_model_len={self.max_model_len}"
-            + prefill_copy_note(self.weights_bytes, self.prefill_copy_bytes)
+            + (f"; weights {note}" if (note := prefill_copy_note(self.weights_bytes, self.prefill_copy_bytes)) else "")
         )
 
     # ---- requests ------------------------------------------------------------------------

@@ -245,14 +245,14 @@ def second_copy_bytes(model: nn.Module) -> int:
 
 
 def prefill_copy_note(weights_bytes: int, copy_bytes: int) -> str:
-    """The engine's start line's word on the copy ("" without one)."""
+    """The weights and the copy in words, for start lines ("" without a copy)."""
     from engine.config import format_bytes
 
     if not copy_bytes:
         return ""
     return (
-        f"; weights {format_bytes(weights_bytes)} + {format_bytes(copy_bytes)}: a oneDNN copy of the "
-        f"projections for prefill steps of {LARGE_ROWS:,}+ tokens ({LARGE_ENV}=0: without)"
+        f"{format_bytes(weights_bytes)} + {format_bytes(copy_bytes)}: a oneDNN copy of the projections "
+        f"for prefill steps of {LARGE_ROWS:,}+ tokens ({LARGE_ENV}=0: without)"
     )
 
 

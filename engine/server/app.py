@@ -24,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.config import EngineConfig, context_limit_warning, format_bytes
 from engine.log import log
+from engine.model.packed_linear import prefill_copy_note
 from engine.server.config import ServerConfig
 from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
 from engine.warmup import warm_up
@@ -139,6 +140,11 @@ def startup_summary(
         f"= {cap} tokens in {format_bytes(kv.total_bytes)}; max_model_len {engine.max_model_len}, "
         f"max_num_seqs {engine.config.max_num_seqs}, queue {config.max_queue}",
         *([f"  warning   {w}"] if (w := context_limit_warning(engine.max_model_len, cap)) else []),
+        *(
+            [f"  weights   {note}"]
+            if (note := prefill_copy_note(engine.weights_bytes, engine.prefill_copy_bytes))
+            else []
+        ),
         f"  OpenAI    {api_url}/v1  (completions, chat/completions, models)"
         + ("  API key required" if config.api_key else ""),
         f"  metrics   {api_url}/metrics    health {api_url}/health",

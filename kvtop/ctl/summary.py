@@ -114,7 +114,9 @@ def _load_rows(t: Table, frame: dict) -> None:
     if mem:
         t.add_row(
             "memory",
-            f"weights {format_bytes(mem['weights'])} · KV {format_bytes(mem['kv'])} · device "
+            f"weights {format_bytes(mem['weights'])}"
+            + (f" + {format_bytes(mem['prefill_copy'])} prefill copy" if mem.get("prefill_copy") else "")
+            + f" · KV {format_bytes(mem['kv'])} · device "
             f"{format_bytes(mem['device_used'])} / {format_bytes(mem['device_total'])}",
         )
 
