@@ -67,6 +67,7 @@ def test_bench_bad_arguments(tmp_path):
         (["--input-len", "9:3"], "MIN <= MAX"),
         (["--slo", "p99=3"], "bad --slo part"),
         (["--scrape-interval", "-1"], "must be 0 or more"),
+        (["--scrape-interval", "nan"], "must be 0 or more"),
         (["--dataset", "jsonl", "--file", str(bad)], "expected a JSON object"),
     ):
         proc = kvctl("bench", *args)

@@ -103,7 +103,7 @@ def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scr
         raise typer.BadParameter("must be positive", param_hint="--num-prompts")
     if request_rate <= 0 or burstiness <= 0:
         raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
-    if scrape_interval < 0:
+    if not scrape_interval >= 0:  # nan too
         raise typer.BadParameter("must be 0 or more", param_hint="--scrape-interval")
 
 
