@@ -25,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engine.config import EngineConfig, context_limit_warning, format_bytes
 from engine.log import log
 from engine.model.packed_linear import prefill_copy_note
+from engine.openmp import release_thread_pool
 from engine.server.config import ServerConfig
 from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
 from engine.warmup import warm_up
@@ -166,6 +167,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "w
     try:
         engine = LLMEngine(engine_config, quiet=True)
         warmed = _warm_up(engine) if config.warmup else "off (--no-warmup)"
+        release_thread_pool()  # the engine thread steps from here on: its OpenMP team must be the only one
         uds = bind_unix(socket_path)
     except BaseException:
         tcp.close()
