@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.llm_engine import LLMEngine
 from engine.log import log
+from engine.openmp import release_thread_pool
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.config import ServerConfig
@@ -141,7 +142,12 @@ class EngineLoop:
         return found
 
     def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
-        return self.engine.evict_prefix_cache(max_blocks)
+        dropped = self.engine.evict_prefix_cache(max_blocks)
+        if threading.current_thread() is not self._thread:
+            # spilling to the CPU tier copies KV here, off the engine thread: an OpenMP pool of this
+            # thread's would make the engine's team spin-starved again (engine/openmp.py)
+            release_thread_pool()
+        return dropped
 
     def note_rejected(self, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
