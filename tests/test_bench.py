@@ -115,7 +115,9 @@ def test_scrapes_do_not_wait_behind_the_load(server, monkeypatch):
     import asyncio
 
     monkeypatch.setattr(bench, "SCRAPE_TIMEOUT", 0.3)
-    reqs = [bench.BenchRequest(prompt="one two three", max_tokens=400)]
+    # long enough to outlast two scrape timeouts even on a fast machine (400 tokens took 0.48 s once the
+    # server kept one OpenMP team)
+    reqs = [bench.BenchRequest(prompt="one two three", max_tokens=1500)]
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     run = bench.run_bench(server.url, model, reqs, max_concurrency=1, scrape_interval=0.1)
     results, duration, view = asyncio.run(run)
