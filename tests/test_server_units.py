@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from engine.server.app import _Server, _uvicorn_config
 from engine.server.config import ServerConfig
 from engine.server.detokenize import IncrementalDetokenizer
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
+from engine.server.sockets import bind_tcp
 from engine.server.triggers import SnapshotTriggers
 
 
@@ -128,14 +136,6 @@ def test_connections_are_accepted_with_nagle_off():
     """The API's connections send each write at once: with Nagle on (asyncio leaves it on for a
     socket made by `socket.create_server`), a kept-alive client's every later request waited ~40 ms
     for its own delayed ACK, and a stream's first chunk did too."""
-    import asyncio
-    import socket
-    import threading
-
-    import httpx
-
-    from engine.server.app import _Server, _uvicorn_config
-    from engine.server.sockets import bind_tcp
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -153,7 +153,7 @@ def test_connections_are_accepted_with_nagle_off():
             for _ in range(100):
                 if server.started:
                     break
-                threading.Event().wait(0.05)
+                time.sleep(0.05)
             assert [http.get("/").text for _ in range(3)] == ["ok"] * 3  # one kept-alive connection
             (conn,) = server.server_state.connections
             accepted = conn.transport.get_extra_info("socket")

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import format_bytes
 from engine.log import log
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -246,8 +247,6 @@ def second_copy_bytes(model: nn.Module) -> int:
 
 def prefill_copy_note(weights_bytes: int, copy_bytes: int) -> str:
     """The weights and the copy in words, for start lines ("" without a copy)."""
-    from engine.config import format_bytes
-
     if not copy_bytes:
         return ""
     return (
