@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "amx_linear.cpp",
     CSRC / "amx_attention.cpp",
     CSRC / "fp32_linear.cpp",
+    CSRC / "decode_layers.cpp",
 ]
 HEADERS = [CSRC / "cephes_exp.h", CSRC / "amx_tiles.h"]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.kernels.attention import AttentionBatch, Backend, paged_attention
 from engine.kv.cache import KVLayer
+from engine.model.fused_decode import fused_decode_for
 from engine.model.spec import ModelSpec
 
 
@@ -80,6 +81,7 @@ class CausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused_kernels, self.fused = None, None  # engine.model.fused_decode, built at the first step
 
     def build_rope_cache(self, max_positions: int) -> None:
         """cos/sin for every position, computed in float32 exactly as transformers does."""
@@ -102,8 +104,13 @@ class CausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos_all, sin_all = self.cos_sin
         cos, sin = cos_all[positions], sin_all[positions]
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x, residual = layer(x, residual, cos, sin, batch, kv, kernels)
+        if self.fused_kernels is not kernels:  # gathered once per backend, after any packing
+            self.fused_kernels, self.fused = kernels, fused_decode_for(self, kernels)
+        if self.fused is not None and self.fused.covers(x, batch, kv_layers):
+            x, residual = self.fused(x, cos, sin, batch, kv_layers)
+        else:
+            for layer, kv in zip(self.layers, kv_layers, strict=True):
+                x, residual = layer(x, residual, cos, sin, batch, kv, kernels)
         return kernels.fused_add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
