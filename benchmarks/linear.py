@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/linear.py                    # bf16 (AMX) and fp32, 1..2,048 rows
     .venv/bin/python benchmarks/linear.py --dtype float32 --rows 1,4,16
+    .venv/bin/python benchmarks/linear.py --cold --rows 16,32,64,256   # weights from DRAM, as in the engine
 
 bf16: our AMX tile kernel (engine/kernels/csrc/amx_linear.cpp) against oneDNN's packed GEMM (what
 `KVTOP_PACKED_LINEAR=onednn` uses). fp32: our small-batch kernel (csrc/fp32_linear.cpp) against
@@ -56,16 +57,53 @@ def best(fn, weights, x, repeats: int) -> float:
     return min(times)
 
 
+def cold_bf16(rows_list: list[int], repeats: int) -> None:
+    """Our AMX kernel as a decode step sees it: layer by layer (qkv, o, gate/up, down), each layer's
+    weights its own, and between layers a read of 14 MiB — one layer's K/V of 64 sequences x 300
+    tokens — so the weights come from DRAM as in the engine, not from the L3 a loop over one
+    projection's 30 weights finds them in. Only the projections are timed."""
+    torch.manual_seed(0)
+    layers = [{n: _pack_tiles(torch.randn(*SHAPES[n]).to(torch.bfloat16)) for n in SHAPES if n != "logits"}]
+    layers += [{n: _pack_tiles(torch.randn(*SHAPES[n]).to(torch.bfloat16)) for n in layers[0]} for _ in range(29)]
+    logits = _pack_tiles(torch.randn(*SHAPES["logits"]).to(torch.bfloat16))
+    kv = [torch.ones(7 << 20, dtype=torch.bfloat16) for _ in layers]
+    nbytes = sum(w.numel() * 2 for layer in layers for w in layer.values()) + logits.numel() * 2
+    print(f"\nbfloat16, ours, layer by layer with a K/V read between ({nbytes / 2**20:.0f} MiB of weights)")
+    print(f"{'rows':>6} {'ours ms':>9} {'our GB/s':>9}")
+    for rows in rows_list:
+        xs = {n: torch.randn(rows, SHAPES[n][1]).to(torch.bfloat16) for n in SHAPES}
+        times = []
+        for _ in range(repeats + 1):  # the first pass warms up
+            spent = 0.0
+            for layer, cache in zip(layers, kv, strict=True):
+                cache.sum()
+                t = time.perf_counter()
+                for n, w in layer.items():
+                    torch.ops.kvtop_cpu.amx_linear(xs[n], w, None, SHAPES[n][0])
+                spent += time.perf_counter() - t
+            t = time.perf_counter()
+            torch.ops.kvtop_cpu.amx_linear(xs["logits"], logits, None, SHAPES["logits"][0])
+            times.append(spent + time.perf_counter() - t)
+        t_ours = min(times[1:])
+        print(f"{rows:6d} {t_ours * 1e3:9.2f} {nbytes / t_ours / 1e9:9.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16,float32", help="comma-separated: bfloat16,float32")
     ap.add_argument("--rows", default="1,4,16,32,64,256,2048")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cold", action="store_true", help="bf16 AMX only, weights from DRAM as in a decode step")
     args = ap.parse_args()
     if not cpu.load():
         sys.exit("the CPU kernel extension could not be built here")
     ops = torch.ops.kvtop_cpu
     print(f"{torch.get_num_threads()} threads")
+    if args.cold:
+        if not ops.amx_supported():
+            sys.exit("--cold measures the AMX kernel: this CPU has no AMX")
+        cold_bf16([int(r) for r in args.rows.split(",")], args.repeats)
+        return
     for dtype in args.dtype.split(","):
         if dtype == "bfloat16" and not ops.amx_supported():
             print("bfloat16: this CPU has no AMX (the engine uses oneDNN's packed GEMM)")
