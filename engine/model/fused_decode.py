@@ -71,7 +71,7 @@ class FusedDecode:
     def covers(self, x: torch.Tensor, batch: AttentionBatch, kv_layers: list[KVLayer]) -> bool:
         """This step is one the op runs exactly as the Python loop would."""
         n = x.shape[0]
-        if batch.num_decodes != n or batch.prefill_tables is not None or n > self.max_rows:
+        if not 0 < n <= self.max_rows or batch.num_decodes != n or batch.prefill_tables is not None:
             return False
         if x.dtype not in _DTYPES or x.device.type != "cpu":
             return False
