@@ -48,10 +48,14 @@ def test_fused_decode_gives_the_python_loops_tokens_and_logprobs(tiny_models, fa
     assert logprobs == ref_logprobs  # bit for bit: the same kernels in the same order
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_with_plain_nn_linear(tiny_models, dtype, monkeypatch):
-    """KVTOP_PACKED_LINEAR=0 keeps nn.Linear (at::linear from C++): the same answer there too."""
-    monkeypatch.setenv(PACKED_ENV, "0")
+@pytest.mark.parametrize(
+    ("packing", "dtype"),
+    [("0", "float32"), ("0", "bfloat16"), ("onednn", "bfloat16"), ("all", "float32")],
+)
+def test_fused_decode_with_every_linear_kind(tiny_models, packing, dtype, monkeypatch):
+    """KVTOP_PACKED_LINEAR=0 keeps nn.Linear (at::linear from C++), `onednn` and `all` pack with
+    oneDNN (its packed op, called boxed from C++) where this CPU runs it: the same answer each way."""
+    monkeypatch.setenv(PACKED_ENV, packing)
     llm = _engine(tiny_models["llama"], dtype)
     prompts = random_prompts(4, (3, 30), seed=2)
     fused = _run(llm, prompts, fused=True, monkeypatch=monkeypatch)

@@ -87,7 +87,7 @@ class FusedDecode:
             [kv.k for kv in kv_layers], [kv.v for kv in kv_layers], batch.slot_mapping, batch.decode_tables,
             batch.decode_lens, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, self.scale,
         )  # fmt: skip
-        return hidden, residual
+        return hidden, residual  # what the loop leaves: the last layer's MLP output, the residual stream
 
 
 def fused_decode_for(model: nn.Module, kernels) -> FusedDecode | None:
