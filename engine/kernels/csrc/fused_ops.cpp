@@ -164,7 +164,7 @@ int64_t rope_row16(B* x, const B* c, const B* s, int64_t half) {
 }
 #endif
 
-// The sum of x's squares over columns [0, h) (x already read as floats by the caller where it can).
+// The sum of x's squares over columns [0, h), 16 lanes at a time where AVX-512 is there.
 template <typename T>
 float sum_squares(const Bits<T>* x, int64_t h) {
   using E = Elem<T>;
