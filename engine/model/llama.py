@@ -49,7 +49,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` is the previous layer's MLP output, added here into the residual stream (or, for
         the first layer, with `residual` None, the embeddings, which become it); returns this
-        layer's MLP output and the stream. So each residual add is one pass with the norm after it."""
+        layer's MLP output and the stream. So each residual add is one pass with the norm after it.
+        engine/kernels/csrc/decode_layers.cpp runs these same ops for decode-only steps on the `cpu`
+        backend: a change here goes there too (tests/test_decode_layers.py compares them bit for bit)."""
         spec = self.spec
         n, eps = x.shape[0], spec.rms_norm_eps
         if residual is None:
