@@ -64,6 +64,8 @@ class FusedDecode:
                 self.biases.append(kind[2])
                 if isinstance(module, pl.AMXLinear) and module.large is not None:
                     self.max_rows = pl.LARGE_ROWS - 1
+        # SmallBatchLinear sends more than SMALL_BATCH rows to F.linear: that step's kinds say so
+        self.large_kinds = [3 if kind == 2 else kind for kind in self.kinds]
         first = model.layers[0]
         self.out_features = [getattr(first, name).out_features for name in pl.PROJECTIONS]
         self.scale = first.scale
@@ -75,15 +77,17 @@ class FusedDecode:
             return False
         if x.dtype not in _DTYPES or x.device.type != "cpu":
             return False
+        # one allocation holds every layer's K/V; a cache without scales is never calibrated (fp8 only)
         first = kv_layers[0]
-        return first.k.dtype == x.dtype and first.k_scale is None and not any(kv.calibrating for kv in kv_layers)
+        return first.k.dtype == x.dtype and first.k_scale is None
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, kv_layers: list[KVLayer]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
+        kinds = self.kinds if x.shape[0] <= pl.SmallBatchLinear.SMALL_BATCH else self.large_kinds
         hidden, residual = torch.ops.kvtop_cpu.decode_layers(
-            x, cos, sin, self.norms, self.weights, self.biases, self.kinds, self.out_features, self.qk_norms,
+            x, cos, sin, self.norms, self.weights, self.biases, kinds, self.out_features, self.qk_norms,
             [kv.k for kv in kv_layers], [kv.v for kv in kv_layers], batch.slot_mapping, batch.decode_tables,
             batch.decode_lens, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, self.scale,
         )  # fmt: skip

@@ -12,7 +12,8 @@
 // or bfloat16, a KV cache of the model's own dtype, the `cpu` attention backend. Each projection is
 // one of four kinds, the layer classes of engine/model/packed_linear.py:
 //   0 AMXLinear (amx_linear on the tile layout, an fp32 bias), 1 OneDNNLinear (oneDNN's packed GEMM),
-//   2 SmallBatchLinear (fp32_linear up to 16 rows, else at::linear), 3 nn.Linear (at::linear).
+//   2 SmallBatchLinear's small batches (fp32_linear; fused_decode.py sends its larger ones as 3),
+//   3 nn.Linear (at::linear).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,7 +25,6 @@
 
 namespace {
 
-constexpr int64_t kSmallBatch = 16;  // SmallBatchLinear.SMALL_BATCH
 constexpr int64_t kPerLayer = 4;     // projections per layer: qkv, o, gate_up, down
 
 c10::OperatorHandle op(const char* name) {
@@ -87,9 +87,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
   switch (kind) {
     case 0: return ops().amx.call(x, w, bias, n);
     case 1: return onednn_linear(x, w, bias);
-    case 2:
-      if (x.numel() <= kSmallBatch * x.size(-1)) return ops().fp32.call(x, w, bias);
-      return at::linear(x, w, bias);
+    case 2: return ops().fp32.call(x, w, bias);
     case 3: return at::linear(x, w, bias);
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }

@@ -315,8 +315,7 @@ int64_t silu_and_mul_row16(const Bits<T>* g, const Bits<T>* u, Bits<T>* o, int64
     rc = _mm512_fmadd_ps(rc, _mm512_fnmadd_ps(d, rc, one), rc);  // one Newton step: 2^-14 -> ~2^-28
     rc = _mm512_mask_mov_ps(rc, _mm512_cmp_ps_mask(d, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ), _mm512_setzero_ps());
     __m512 s = _mm512_mul_ps(x, rc);
-    if constexpr (std::is_same_v<T, c10::BFloat16>)  // silu's own bf16 tensor in torch: rounded here too
-      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(s)), 16));
+    s = round16(s, Bits<T>{});  // silu's own bf16 tensor in torch: rounded here too (fp32: as is)
     store16(o + i, _mm512_mul_ps(s, load16(u + i)));
   }
   return i;
