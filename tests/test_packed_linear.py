@@ -73,15 +73,15 @@ def test_packed_layer_matches_nn_linear(dtype, rows, bias, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 300, 2048])  # 1 or 2 A tiles, partial, several M blocks
-# (1000, 64): an output of 2 MiB or more (2,048 rows) goes around the caches, and its rows start off
-# a cache line and end in a partial group of columns
+# (1000, 64): output rows that start off a cache line and end in a partial group of columns
 @pytest.mark.parametrize(
     "shape", [(960, 576, True), (49152, 576, False), (100, 70, True), (576, 1536, False), (1000, 64, True)]
 )
 def test_the_bf16_layer_this_cpu_packs_matches_nn_linear(rows, shape, monkeypatch):
     """AMX tiles where the CPU has them (else oneDNN's, else nn.Linear): within an ulp of nn.Linear for
-    any row count, SmolLM2's shapes and ones that pad N and K, with and without a bias; large outputs
-    (written around the caches) as small ones."""
+    any row count, SmolLM2's shapes and ones that pad N and K, with and without a bias (each block's
+    rows are written out while the next block multiplies: the last block, and a group's last block
+    with its bias, too)."""
     monkeypatch.delenv(ENV, raising=False)
     out_features, in_features, bias = shape
     linear = _linear(torch.bfloat16, out_features, in_features, bias)

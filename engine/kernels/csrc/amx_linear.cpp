@@ -20,10 +20,10 @@
 // (CPUID) and Linux (arch_prctl permission for the tile data) once; engine/model/packed_linear.py
 // asks it before using any of this.
 //
-// A large output (a prefill step's: 2,048 rows of gate/up are 12.6 MB) is written with non-temporal
-// stores: it cannot stay in the caches anyway, and a plain store first reads every line it writes.
-// Measured on SmolLM2's four projections of one layer (benchmarks/README.md, "Fifth pass"): 0.88x
-// the time at 2,048 rows, 0.91x at 512-1,024; neutral at 256 rows, where the output fits in L2.
+// Each 32 x 32 block's result is rounded and written out while the next block multiplies (see Pending).
+// Outputs are written with plain stores: non-temporal ones for large outputs helped while the epilogue
+// stalled the tiles (benchmarks/README.md, "Fifth pass"); with the epilogue in the tiles' shadow they
+// measured slower (1,024-token prefill steps 180 vs 164 ms; "Ninth pass").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,7 +46,6 @@ constexpr int64_t kTileK = 32;     // bf16 elements of K per tile row (64 bytes)
 constexpr int64_t kGroupN = 32;    // output columns per group: two B tiles, read as one stream
 constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bf16 = 1 KiB
 constexpr int64_t kBlockM = 256;
-constexpr int64_t kStreamBytes = int64_t{2} << 20;  // outputs this large bypass the caches (one core's L2)
 constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -56,12 +55,46 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 using kvtop_amx::configure_tiles;
 using kvtop_amx::release_tiles;
 
+// gcc's tile intrinsics are asm statements that name no memory: without these barriers the compiler
+// may move the plain loads of `acc` above the tile stores that fill it.
+#define KVTOP_MEMORY_BARRIER() asm volatile("" ::: "memory")
+
+// A finished 32 x 32 fp32 block waiting to be rounded to bf16 and written out. Its rows are written
+// a few at a time during the next block's K loop (AVX-512 work in the shadow of the tile multiplies,
+// which otherwise sat idle through every epilogue): SmolLM2's projections at 2,048 rows, two threads,
+// 2.46 -> 2.81 TFLOP/s in a standalone copy of this loop (benchmarks/README.md, "Ninth pass").
+struct Pending {
+  const float* acc = nullptr;  // row stride 32 floats
+  int64_t rows = 0, done = 0;
+  const float* bias = nullptr;  // 32 floats (zero-padded) or null
+  uint16_t* out = nullptr;
+  int64_t out_stride = 0, cols = 0;
+};
+
+// Rows [p.done, upto) of p (+ bias) rounded to bf16 (nearest even) into its output columns.
+inline void drain(Pending& p, int64_t upto) {
+  upto = std::min(upto, p.rows);
+  if (p.done >= upto) return;
+  const __mmask32 mask = p.cols >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << p.cols) - 1);
+  const __m512 b0 = p.bias ? _mm512_loadu_ps(p.bias) : _mm512_setzero_ps();
+  const __m512 b1 = p.bias ? _mm512_loadu_ps(p.bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = p.done; r < upto; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(p.acc + r * 32), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(p.acc + r * 32 + 16), b1);
+    const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_mask_storeu_epi16(p.out + r * p.out_stride, mask, reinterpret_cast<__m512i>(packed));
+  }
+  p.done = upto;
+}
+
 // Rows [m0, m0 + 32) (two A tiles, or one when TWO_A is false) against group g (two B tiles),
 // all of K; the 32 x 32 fp32 result into `acc` (row stride 32 floats). Each K step also prefetches
-// `next_lines` lines from `next` on into L2 (run_groups: the next group's share for this pass).
+// `next_lines` lines from `next` on into L2 (run_groups: the next group's share for this pass) and
+// writes out `prev`'s next rows; what is left of `prev` is written before the tiles are stored.
 template <bool TWO_A, bool PREFETCH>
 void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t kb_count,
-                                 float* acc, const char* next, int64_t next_lines) {
+                                 float* acc, const char* next, int64_t next_lines, Pending& prev) {
+  const int64_t rows_per_kb = (prev.rows + kb_count - 1) / kb_count;
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TWO_A) {
@@ -85,48 +118,38 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    drain(prev, (kb + 1) * rows_per_kb);
   }
+  drain(prev, prev.rows);
+  KVTOP_MEMORY_BARRIER();  // prev's rows are read before acc (possibly the same buffer's twin) is stored
   _tile_stored(0, acc, 32 * 4);
   _tile_stored(1, acc + 16, 32 * 4);
   if constexpr (TWO_A) {
     _tile_stored(2, acc + 16 * 32, 32 * 4);
     _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
   }
+  KVTOP_MEMORY_BARRIER();  // ... and the tiles are in acc before anything reads it
 }
 
-// acc rows [0, rows) (+ bias) rounded to bf16 into out columns [n0, n0 + cols); a full row of 32
-// columns that starts a cache line goes around the caches when `stream` is set.
-void store_rows(const float* acc, int64_t rows, const float* bias, uint16_t* out, int64_t out_stride,
-                                 int64_t cols, bool stream) {
-  const __mmask32 mask = cols >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << cols) - 1);
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1);
-    const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
-    uint16_t* row = out + r * out_stride;
-    if (stream && cols == 32 && (reinterpret_cast<uintptr_t>(row) & 63) == 0)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(row), reinterpret_cast<__m512i>(packed));
-    else
-      _mm512_mask_storeu_epi16(row, mask, reinterpret_cast<__m512i>(packed));
-  }
-}
-
-// Groups [g0, g1) of M-block mb: every 32-row chunk of the block against each group's tiles.
+// Groups [g0, g1) of M-block mb: every 32-row chunk of the block against each group's tiles. Each
+// block's result is written out during the next block (two fp32 buffers take turns); the last one
+// after the loop.
 void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
                                  const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
-                                 uint16_t* out, int64_t g0, int64_t g1, bool stream) {
+                                 uint16_t* out, int64_t g0, int64_t g1) {
   configure_tiles();
-  alignas(64) float acc[32 * 32];
-  alignas(64) float bias_pad[32];
+  alignas(64) float acc[2][32 * 32];
+  alignas(64) float bias_pad[2][32];
+  Pending prev;
+  int which = 0;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
     const float* bg = nullptr;
-    if (bias) {
-      std::fill(bias_pad, bias_pad + 32, 0.0f);
-      std::copy(bias + n0, bias + n0 + cols, bias_pad);
-      bg = bias_pad;
+    if (bias) {  // a group's bias has its own buffer: the previous group's last block may still be pending
+      float* pad = bias_pad[g & 1];
+      std::fill(pad, pad + 32, 0.0f);
+      std::copy(bias + n0, bias + n0 + cols, pad);
+      bg = pad;
     }
     const uint16_t* wg = w + g * kb_count * 2 * kTileElems;
     // With more than one 32-row pass over a group, every pass also pulls a share of the next group's
@@ -141,18 +164,22 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
       const uint16_t* a = x + m * x_stride;
       const int64_t pass = (m - m_begin) / (2 * kTileRows);
       const char* next = reinterpret_cast<const char*>(wg + kb_count * 2 * kTileElems) + pass * per_kb * kb_count * 64;
-      // the first pass over the group prefetches ahead (into the next group: the weight is one stream)
-      if (m == m_begin) {
-        if (rows > kTileRows) tile_block<true, true>(a, x_stride * 2, wg, kb_count, acc, next, per_kb);
-        else tile_block<false, true>(a, x_stride * 2, wg, kb_count, acc, next, per_kb);
+      float* block_acc = acc[which];
+      // A single pass prefetches ahead into L1 (into the next group: the weight is one stream). With
+      // more passes the next group is already coming into L2 (above), and the L1 prefetch only cost:
+      // linear.py --cold, three alternations, 64 rows 0.90-0.94x the time without it, 256 rows 0.88-0.95x.
+      if (passes == 1) {
+        if (rows > kTileRows) tile_block<true, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
+        else tile_block<false, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
       } else {
-        if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, acc, next, per_kb);
-        else tile_block<false, false>(a, x_stride * 2, wg, kb_count, acc, next, per_kb);
+        if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
+        else tile_block<false, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
       }
-      store_rows(acc, rows, bg, out + m * n + n0, n, cols, stream);
+      prev = Pending{block_acc, rows, 0, bg, out + m * n + n0, n, cols};
+      which ^= 1;
     }
   }
-  if (stream) _mm_sfence();  // the streamed lines are visible before this task counts as done
+  drain(prev, prev.rows);
   release_tiles();
 }
 #endif  // KVTOP_AMX
@@ -198,12 +225,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t blocks = (m + kBlockM - 1) / kBlockM, a_stride = a.stride(0);
-  const bool stream = m * n * 2 >= kStreamBytes;
   // one task = (M block, group); M-block major, so a thread's groups share that block's rows in L2
   at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {
       const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
-      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1, stream);
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1);
       t0 += g1 - g0;
     }
   });
