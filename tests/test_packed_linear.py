@@ -15,6 +15,7 @@ from engine.model.packed_linear import (
     LARGE_ENV,
     LARGE_ROWS,
     PROJECTIONS,
+    AMXGateUp,
     AMXLinear,
     OneDNNLinear,
     SmallBatchLinear,
@@ -142,7 +143,9 @@ def test_bf16_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_
     prompts = random_prompts(3, (5, 40), seed=12)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed, llm = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
-    assert type(llm.engine.model.layers[0].gate_up_proj) is BF16_KIND
+    layer = llm.engine.model.layers[0]
+    assert type(layer.down_proj) is BF16_KIND
+    assert type(layer.gate_up_proj) is (AMXGateUp if AMX else BF16_KIND)  # SiLU-and-mul in its epilogue
     assert type(llm.engine.model.logits_head) is BF16_KIND if BF16_PACKS else llm.engine.model.logits_head is None
     monkeypatch.setenv(ENV, "0")
     plain, _ = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)

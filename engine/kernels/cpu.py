@@ -39,7 +39,11 @@ SOURCES = [
     CSRC / "fp32_linear.cpp",
     CSRC / "decode_layers.cpp",
 ]
-HEADERS = [CSRC / "cephes_exp.h", CSRC / "amx_tiles.h"]  # in the build key too: a changed header is a new build
+HEADERS = [
+    CSRC / "cephes_exp.h",
+    CSRC / "amx_tiles.h",
+    CSRC / "bf16_simd.h",
+]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they

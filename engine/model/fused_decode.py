@@ -27,6 +27,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
     """decode_layers.cpp's kind for this projection, the weight and bias it takes; None: not covered."""
+    if isinstance(module, pl.AMXGateUp):  # gate/up with SiLU-and-mul in its epilogue
+        return 4, module.weight, module.bias_fp32
     if isinstance(module, pl.AMXLinear):
         return 0, module.weight, module.bias_fp32
     if isinstance(module, pl.OneDNNLinear):

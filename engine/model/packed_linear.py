@@ -134,6 +134,47 @@ class AMXLinear(nn.Module):
         return _unpack_tiles(self.weight, self.out_features, self.in_features)
 
 
+def _gate_up_order(out_features: int) -> torch.Tensor:
+    """Row order of a gate/up weight [2I, K] for amx_gate_up: 16 gate rows, the same 16 up rows, ..."""
+    blocks = torch.arange(out_features).view(2, -1, 16)  # [gate/up, I/16, 16]
+    return blocks.transpose(0, 1).reshape(-1)
+
+
+class AMXGateUp(AMXLinear):
+    """An MLP's gate/up projection on AMX tiles, packed with gate and up rows interleaved by 16 so that
+    `silu_and_mul(x)` comes straight from the tiles' epilogue (csrc/amx_linear.cpp's amx_gate_up): the
+    [rows, 2I] output is never written nor read back. Bit for bit `silu_and_mul(forward(x))` on the cpu
+    kernels; `forward` still gives the dense [gate, up] order. No oneDNN prefill copy (`large` is
+    ignored): SmolLM2's gate/up + SiLU-and-mul, 30 layers at 2,048 rows, 90 ms fused against 117-119
+    through oneDNN's copy and the separate op (benchmarks/README.md, "Ninth pass"). 2I must be a
+    multiple of 32 (`fits`)."""
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.shape[0] % 32 == 0
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, large: bool = False) -> None:
+        order = _gate_up_order(weight.shape[0])
+        self.inter = weight.shape[0] // 2
+        super().__init__(weight[order], None if bias is None else bias[order])
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvtop_cpu.amx_gate_up(x, self.weight, self.bias_fp32, self.inter, False)
+
+    def silu_and_mul(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        """`kernels.silu_and_mul(self(x))`; in the epilogue where that is the cpu kernels' op."""
+        from engine.kernels import cpu
+
+        if kernels is not cpu:
+            return kernels.silu_and_mul(self(x))
+        return torch.ops.kvtop_cpu.amx_gate_up(x, self.weight, self.bias_fp32, self.inter, True)
+
+    def dense_weight(self) -> torch.Tensor:
+        interleaved = super().dense_weight()
+        return interleaved[torch.argsort(_gate_up_order(self.out_features))]
+
+
 class TiledEmbedding(nn.Module):
     """A tied embedding looked up in its logits head's tile layout, so the table is held once: the
     dense copy (SmolLM2: 49,152 x 576 bf16, 54 MiB) goes. Row n of W sits, for each K block kb, in
@@ -157,11 +198,14 @@ class TiledEmbedding(nn.Module):
 
 
 def packed_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, large: bool = False
+    weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, large: bool = False, gate_up: bool = False
 ) -> nn.Module:
     """The packed layer for this weight: AMX where the CPU has it (unless KVTOP_PACKED_LINEAR=onednn),
-    else oneDNN's. `large`: an AMX layer also holds oneDNN's copy for prefill-sized inputs."""
+    else oneDNN's. `large`: an AMX layer also holds oneDNN's copy for prefill-sized inputs; `gate_up`:
+    an MLP's gate/up weight, on AMX an AMXGateUp where it fits."""
     if weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn" and amx_available():
+        if gate_up and AMXGateUp.fits(weight):
+            return AMXGateUp(weight, bias, large=large)
         return AMXLinear(weight, bias, large=large)
     return OneDNNLinear(weight, bias, batch_hint)
 
@@ -281,7 +325,8 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
         for layer in model.layers:
             for name in PROJECTIONS:
                 linear = getattr(layer, name)
-                setattr(layer, name, packed_linear(linear.weight, linear.bias, batch_hint, large=large))
+                packed = packed_linear(linear.weight, linear.bias, batch_hint, large, gate_up=name == "gate_up_proj")
+                setattr(layer, name, packed)
                 done.append((layer, name))
         # compute_logits uses it when present; a tied embedding's lookup then reads its tiles (below)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

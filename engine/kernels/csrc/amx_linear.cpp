@@ -37,7 +37,10 @@
 #include <cstring>
 #include <optional>
 
+// As in fused_ops.cpp: no mul+add turned into an fma, so bf16_simd.h's SiLU is compiled alike in both.
+#pragma GCC optimize("fp-contract=off")
 #include "amx_tiles.h"
+#include "bf16_simd.h"
 
 namespace {
 
@@ -49,6 +52,11 @@ constexpr int64_t kBlockM = 256;
 constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// What a block's 32 columns are (see amx_gate_up): plain output columns; a gate/up weight's 16 gate
+// and 16 up columns, written to their places in the dense order; or the same, with SiLU-and-mul's 16
+// results written instead.
+enum class Epilogue { kPlain, kGateUp, kSiluMul };
 
 #ifdef KVTOP_AMX
 
@@ -67,9 +75,15 @@ struct Pending {
   const float* acc = nullptr;  // row stride 32 floats
   int64_t rows = 0, done = 0;
   const float* bias = nullptr;  // 32 floats (zero-padded) or null
-  uint16_t* out = nullptr;
-  int64_t out_stride = 0, cols = 0;
+  uint16_t* out = nullptr;      // kGateUp: the gate columns' place (the up columns are `up_offset` on)
+  int64_t out_stride = 0, cols = 0, up_offset = 0;
+  Epilogue kind = Epilogue::kPlain;
 };
+
+// 16 lanes rounded to bf16 as the tiles' epilogue rounds (VCVTNEPS2BF16), widened back to floats.
+inline __m512 tile_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
 
 // Rows [p.done, upto) of p (+ bias) rounded to bf16 (nearest even) into its output columns.
 inline void drain(Pending& p, int64_t upto) {
@@ -81,8 +95,16 @@ inline void drain(Pending& p, int64_t upto) {
   for (int64_t r = p.done; r < upto; ++r) {
     const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(p.acc + r * 32), b0);
     const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(p.acc + r * 32 + 16), b1);
-    const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
-    _mm512_mask_storeu_epi16(p.out + r * p.out_stride, mask, reinterpret_cast<__m512i>(packed));
+    uint16_t* row = p.out + r * p.out_stride;
+    if (p.kind == Epilogue::kPlain) {
+      _mm512_mask_storeu_epi16(row, mask, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    } else if (p.kind == Epilogue::kGateUp) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + p.up_offset), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+    } else {  // gate and up rounded as the plain output would be, then fused_ops.cpp's SiLU-and-mul
+      const __m512 act = kvtop_simd::silu_mul16<true>(tile_round(lo), tile_round(hi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), kvtop_simd::bf16_pack(act));
+    }
   }
   p.done = upto;
 }
@@ -136,7 +158,9 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
 // after the loop.
 void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
                                  const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
-                                 uint16_t* out, int64_t g0, int64_t g1) {
+                                 uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
+  // kGateUp / kSiluMul: group g holds gate columns [16g, 16g + 16) and the same up columns
+  const int64_t inter = n / 2, out_stride = kind == Epilogue::kSiluMul ? inter : n;
   configure_tiles();
   alignas(64) float acc[2][32 * 32];
   alignas(64) float bias_pad[2][32];
@@ -175,7 +199,8 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
         if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
         else tile_block<false, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
       }
-      prev = Pending{block_acc, rows, 0, bg, out + m * n + n0, n, cols};
+      uint16_t* dst = out + m * out_stride + (kind == Epilogue::kPlain ? n0 : n0 / 2);
+      prev = Pending{block_acc, rows, 0, bg, dst, out_stride, cols, inter, kind};
       which ^= 1;
     }
   }
@@ -192,19 +217,21 @@ bool amx_supported() {
 #endif
 }
 
-// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W given in the tile layout (engine/model/packed_linear.py's
-// _pack_tiles) and its N; the bias (if any) in fp32.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(amx_supported(), "amx_linear: this CPU or kernel does not allow AMX");
+// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16 (kSiluMul: [..., N / 2]), W given in the tile layout
+// (engine/model/packed_linear.py's _pack_tiles) and its N; the bias (if any) in fp32, in the packed order.
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+               Epilogue kind, const char* name) {
+  TORCH_CHECK(amx_supported(), name, ": this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5,
-              "amx_linear: bfloat16 x and a tile-layout weight expected");
+              name, ": bfloat16 x and a tile-layout weight expected");
   const int64_t k = x.size(-1), kbs = packed.size(1), groups = packed.size(0);
   TORCH_CHECK(round_up(k, kTileK) == kbs * kTileK && round_up(n, kGroupN) == groups * kGroupN,
-              "amx_linear: x's last dim or n does not match the packed weight");
+              name, ": x's last dim or n does not match the packed weight");
+  TORCH_CHECK(kind == Epilogue::kPlain || n % kGroupN == 0, name, ": a gate/up weight of 32k rows expected");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
+  out_shape.back() = kind == Epilogue::kSiluMul ? n / 2 : n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
   // A tiles read 16 full rows of 64 bytes: pad the rows to 16 and K to 32 (zeros) unless already so.
@@ -216,7 +243,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   }
   std::optional<at::Tensor> b32;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_linear: bias must be [n]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, name, ": bias must be [n]");
     b32 = bias->to(at::kFloat).contiguous();
   }
 #ifdef KVTOP_AMX
@@ -229,7 +256,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {
       const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
-      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1);
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1, kind);
       t0 += g1 - g0;
     }
   });
@@ -237,9 +264,25 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   return out;
 }
 
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+  return run(x, packed, bias, n, Epilogue::kPlain, "amx_linear");
+}
+
+// An MLP's gate/up projection, its weight packed with gate and up rows interleaved by 16
+// (packed_linear.py's AMXGateUp: rows 16g..16g+15 of gate, then the same of up, for each g), so that
+// each group of 32 output columns holds 16 gate columns and their 16 up columns. silu false: the
+// [..., 2 * inter] output in the dense order (gate, then up), as amx_linear on the original weight;
+// silu true: SiLU-and-mul's [..., inter] written straight from the tiles' epilogue, bit for bit
+// silu_and_mul(amx_linear(...)) — the 2 * inter columns are never stored, nor read back.
+at::Tensor amx_gate_up(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t inter, bool silu) {
+  return run(x, packed, bias, 2 * inter, silu ? Epilogue::kSiluMul : Epilogue::kGateUp, "amx_gate_up");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &amx_linear);
+  m.def("amx_gate_up(Tensor x, Tensor packed, Tensor? bias, int inter, bool silu) -> Tensor", &amx_gate_up);
 }

@@ -28,6 +28,7 @@
 // bit for bit. (After the includes: only this file's functions.)
 #pragma GCC optimize("fp-contract=off")
 #include "cephes_exp.h"  // after the pragma: its polynomial is compiled as this file's own was
+#include "bf16_simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -94,33 +95,14 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// Elem<c10::BFloat16>::rounded_bits on 16 lanes: nearest even, a NaN made the one quiet NaN.
-inline __m512i bf16_rounded_bits(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-}
-
-// 16 lanes rounded to bf16 bits. VCVTNEPS2BF16 rounds as c10 does except that it flushes denormals
-// and keeps a NaN's sign and payload: a vector holding either takes the integer path.
-inline __m256i bf16_pack(__m512 f) {
-#if defined(__AVX512BF16__)
-  if (_mm512_fpclass_ps_mask(f, 0x01 | 0x20 | 0x80) == 0)  // no quiet NaN, denormal, signalling NaN
-    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
-#endif
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(f), 16));
-}
+using kvtop_simd::bf16_pack;
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
 
 // Elem<T>::round on 16 lanes: bf16 rounds to the nearest bf16 (as a float), float is left as is.
 inline __m512 round16(__m512 v, float) { return v; }
-inline __m512 round16(__m512 v, uint16_t) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16));
-}
+inline __m512 round16(__m512 v, uint16_t) { return kvtop_simd::bf16_round(v); }
 
 // norm_row's second loop, columns [0, h - h % 16): out = w * round(x * r). Returns where it stopped.
 template <typename B>
@@ -292,32 +274,15 @@ inline float exp_fp32(float x) {
 // SiLU-and-mul's rows in intrinsics (issue #13): what gcc made of the loop below ran at ~60 cycles per 16
 // elements, 3.5x the time of a copy of the same bytes, and the op took 8-11 % of a bf16 prefill step.
 // The same formula: exp_fp32 lane-wise (its clamps and overflow; fma in the polynomial), the division as
-// a reciprocal refined by one Newton step (within an fp32 ulp or so), c10's rounding to bf16.
-
-// exp_fp32 (below) on 16 lanes: its clamps, its n, its overflow to inf.
-inline __m512 exp_fp32_16(__m512 x) {
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(kvtop_exp::kLog2e), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  return _mm512_mask_mov_ps(kvtop_exp::scaled16(xc, n), _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
-                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-}
+// a reciprocal refined by one Newton step (within an fp32 ulp or so), c10's rounding to bf16: bf16_simd.h's
+// silu_mul16, which amx_linear.cpp's gate/up epilogue runs too.
 
 // Columns [0, count - count % 16) of one row; returns where the scalar loop takes over.
 template <typename T>
 int64_t silu_and_mul_row16(const Bits<T>* g, const Bits<T>* u, Bits<T>* o, int64_t count) {
-  const __m512 one = _mm512_set1_ps(1.f);
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m512 x = load16(g + i);
-    const __m512 d = _mm512_add_ps(one, exp_fp32_16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-    __m512 rc = _mm512_rcp14_ps(d);
-    rc = _mm512_fmadd_ps(rc, _mm512_fnmadd_ps(d, rc, one), rc);  // one Newton step: 2^-14 -> ~2^-28
-    rc = _mm512_mask_mov_ps(rc, _mm512_cmp_ps_mask(d, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ), _mm512_setzero_ps());
-    __m512 s = _mm512_mul_ps(x, rc);
-    s = round16(s, Bits<T>{});  // silu's own bf16 tensor in torch: rounded here too (fp32: as is)
-    store16(o + i, _mm512_mul_ps(s, load16(u + i)));
-  }
+  for (; i + 16 <= count; i += 16)  // silu's own bf16 tensor in torch: rounded here too (fp32: as is)
+    store16(o + i, kvtop_simd::silu_mul16<std::is_same_v<T, c10::BFloat16>>(load16(g + i), load16(u + i)));
   return i;
 }
 #endif
