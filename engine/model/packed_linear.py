@@ -8,8 +8,9 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
 
 - `AMXLinear`, where the CPU has AMX (Sapphire Rapids and later) and the kernel extension built:
   our own tile kernel (engine/kernels/csrc/amx_linear.cpp), which streams the weights of a decode
-  step at 20-24 GB/s where oneDNN's reached 7-12 (1-32 rows: 1.8-2.4x faster; about even with
-  oneDNN at 64-2,048 rows; benchmarks/linear.py). The weight in its tile layout; where
+  step at 20-24 GB/s where oneDNN's reached 7-12 (1-32 rows: 1.2-2.4x faster, 64-1,024 rows
+  1.3-1.6x, about even at 2,048; benchmarks/linear.py). An MLP's gate/up projection is `AMXGateUp`,
+  SiLU-and-mul in the kernel's epilogue. The weight in its tile layout; where
   `large_gemm_copy` allows, also oneDNN's packed copy, which takes inputs of LARGE_ROWS rows and
   more (long prefill steps, where it measured faster end to end).
 - `OneDNNLinear` otherwise (AVX-512 without AMX, or the extension missing): oneDNN's packed GEMM.
