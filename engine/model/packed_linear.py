@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import format_bytes
+from engine.kernels import cpu
 from engine.log import log
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -101,8 +102,6 @@ def _unpack_tiles(packed: torch.Tensor, out_features: int, in_features: int) -> 
 
 def _kernel_says(question: str) -> bool:
     """The kernel extension built here, and its `question` op (amx_supported, fp32_linear_supported) says yes."""
-    from engine.kernels import cpu
-
     return cpu.load() and bool(getattr(torch.ops.kvtop_cpu, question)())
 
 
@@ -165,8 +164,6 @@ class AMXGateUp(AMXLinear):
 
     def silu_and_mul(self, x: torch.Tensor, kernels) -> torch.Tensor:
         """`kernels.silu_and_mul(self(x))`; in the epilogue where that is the cpu kernels' op."""
-        from engine.kernels import cpu
-
         if kernels is not cpu:
             return kernels.silu_and_mul(self(x))
         return torch.ops.kvtop_cpu.amx_gate_up(x, self.weight, self.bias_fp32, self.inter, True)

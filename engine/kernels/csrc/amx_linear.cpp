@@ -81,9 +81,7 @@ struct Pending {
 };
 
 // 16 lanes rounded to bf16 as the tiles' epilogue rounds (VCVTNEPS2BF16), widened back to floats.
-inline __m512 tile_round(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
-}
+inline __m512 tile_round(__m512 v) { return kvtop_simd::bf16_widen(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))); }
 
 // Rows [p.done, upto) of p (+ bias) rounded to bf16 (nearest even) into its output columns.
 inline void drain(Pending& p, int64_t upto) {

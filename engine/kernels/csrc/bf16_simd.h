@@ -33,10 +33,11 @@ inline __m256i bf16_pack(__m512 f) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(f), 16));
 }
 
+// 16 bf16 values widened to floats (exact).
+inline __m512 bf16_widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
 // 16 lanes rounded to the nearest bf16, kept as floats.
-inline __m512 bf16_round(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16));
-}
+inline __m512 bf16_round(__m512 v) { return bf16_widen(bf16_pack(v)); }
 
 // exp(x) in fp32 by cephes_exp.h on 16 lanes: x clamped to [-86, 88.7], 2^n applied in one step,
 // inf above 88.72283 (fused_ops.cpp's scalar exp_fp32 lane for lane).

@@ -10,7 +10,7 @@
 //
 // What it covers is what engine/model/fused_decode.py sends it: a batch of one-token decodes, float32
 // or bfloat16, a KV cache of the model's own dtype, the `cpu` attention backend. Each projection is
-// one of four kinds, the layer classes of engine/model/packed_linear.py:
+// one of these kinds, the layer classes of engine/model/packed_linear.py:
 //   0 AMXLinear (amx_linear on the tile layout, an fp32 bias), 1 OneDNNLinear (oneDNN's packed GEMM),
 //   2 SmallBatchLinear's small batches (fp32_linear; fused_decode.py sends its larger ones as 3),
 //   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue).
@@ -94,7 +94,6 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     case 1: return onednn_linear(x, w, bias);
     case 2: return ops().fp32.call(x, w, bias);
     case 3: return at::linear(x, w, bias);
-    case 4: return ops().gate_up.call(x, w, bias, n / 2, false);
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
 }
@@ -140,7 +139,7 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
                               .to(q.scalar_type());
   h = o.add_norm.call(proj(1, attn.reshape({n, q_size})), residual, norms[2 * i + 1], s.eps);
-  if (kinds[p + 2] == 4)  // AMXGateUp.silu_and_mul: the epilogue's SiLU-and-mul
+  if (kinds[p + 2] == 4)  // AMXGateUp.silu_and_mul: the epilogue's SiLU-and-mul (gate/up's kind only)
     return proj(3, o.gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2, true));
   return proj(3, o.silu_mul.call(proj(2, h)));
 }

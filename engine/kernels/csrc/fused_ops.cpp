@@ -91,8 +91,7 @@ using Bits = typename Elem<T>::Bits;
 // the norms and RoPE took 12 % of a 2,048-token bf16 prefill step. Same arithmetic, same rounding.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 using kvtop_simd::bf16_pack;
