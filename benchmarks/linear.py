@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/linear.py --cold --rows 16,32,64,256   # weights from DRAM, as in the engine
 
 bf16: our AMX tile kernel (engine/kernels/csrc/amx_linear.cpp) against oneDNN's packed GEMM (what
-`KVTOP_PACKED_LINEAR=onednn` uses). fp32: our small-batch kernel (csrc/fp32_linear.cpp) against
-`F.linear` (MKL's sgemm). The best of `--repeats` passes over all the layers; GB/s is the weights'
+`KVTOP_PACKED_LINEAR=onednn` uses). fp32: our panel kernel (csrc/fp32_gemm.cpp, the weights packed
+by engine/model/panel_linear.py) against `F.linear` (MKL's sgemm). The best of `--repeats` passes over all the layers; GB/s is the weights'
 bytes over that time (a decode step is bound by how fast they stream).
 """
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels import cpu
 from engine.model.packed_linear import _pack_tiles
+from engine.model.panel_linear import pack_panels
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576)}
 
@@ -41,8 +42,8 @@ def mkl_linear(x, w):
     return F.linear(x, w)
 
 
-def fp32_linear_for(name: str):
-    return lambda x, w: torch.ops.kvtop_cpu.fp32_linear(x, w, None)
+def fp32_gemm_for(name: str):
+    return functools.partial(lambda x, w, n: torch.ops.kvtop_cpu.fp32_gemm(x, w, None, n), n=SHAPES[name][0])
 
 
 def best(fn, weights, x, repeats: int) -> float:
@@ -122,8 +123,9 @@ def main() -> None:
 
             their_fn, our_fn_for = onednn_linear, amx_linear_for
         else:
-            lib, theirs, ours = "MKL sgemm", layers, layers
-            their_fn, our_fn_for = mkl_linear, fp32_linear_for
+            lib, theirs = "MKL sgemm", layers
+            ours = {n: [pack_panels(w) for w in ws] for n, ws in layers.items()}
+            their_fn, our_fn_for = mkl_linear, fp32_gemm_for
 
         print(f"\n{dtype}: ours vs {lib}, SmolLM2-135M's linears ({nbytes / 2**20:.0f} MiB of weights)")
         print(f"{'rows':>6} {lib + ' ms':>16} {'ours ms':>9} {'their GB/s':>11} {'our GB/s':>9} {'speedup':>8}")

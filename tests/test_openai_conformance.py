@@ -13,8 +13,9 @@ from tests.server_harness import API_KEY, start_server
 
 PROMPT = "The quick brown fox"
 # The second of two identical requests finds its prompt in the prefix cache, so its last step
-# multiplies fewer rows, and on a CPU with AVX-512 up to 16 fp32 rows take the engine's small-batch
-# kernel where more take MKL's GEMM: the same tokens, logprobs equal to fp32 rounding (~1e-7).
+# multiplies fewer rows and attends over cached blocks (another attention path; without AVX-512 the
+# linears are MKL's, whose sums depend on the row count): the same tokens, logprobs equal to fp32
+# rounding (~1e-7).
 SAME_NUMBERS = dict(rel=1e-5, abs=1e-6)
 
 

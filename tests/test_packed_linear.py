@@ -18,16 +18,15 @@ from engine.model.packed_linear import (
     AMXGateUp,
     AMXLinear,
     OneDNNLinear,
-    SmallBatchLinear,
     TiledEmbedding,
     _pack_tiles,
     amx_available,
     applies,
-    fp32_kernel_available,
     pack_model,
     packed_linear,
     second_copy_bytes,
 )
+from engine.model.panel_linear import PanelEmbedding, PanelLinear, kernel_available, pack_panels, unpanelled
 from tests.helpers import random_prompts
 
 # oneDNN's bf16 GEMM needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU (CI's) keeps nn.Linear in bf16
@@ -35,8 +34,9 @@ BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # our AMX tile kernel: Sapphire Rapids and later, with the kernel extension built for this CPU
 AMX = amx_available()
 BF16_KIND = AMXLinear if AMX else OneDNNLinear if BF16_PACKS else nn.Linear
-# fp32: MKL's sgemm through nn.Linear, and on AVX-512 our kernel for a decode step's few rows
-FP32_KIND = SmallBatchLinear if fp32_kernel_available() else nn.Linear
+# fp32: on AVX-512 our panel kernel (engine/model/panel_linear.py), elsewhere nn.Linear (MKL's sgemm)
+PANELS = kernel_available()
+FP32_KIND = PanelLinear if PANELS else nn.Linear
 
 # fp32: the packed GEMM sums in another order than nn.Linear's; outputs here are O(1)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -179,35 +179,74 @@ def test_float16_keeps_nn_linear(tiny_models):
     assert getattr(llm.engine.model, "logits_head", None) is None
 
 
-def test_float32_keeps_its_weights_unpacked_unless_asked(tiny_models, monkeypatch):
-    """By default fp32 is not packed (MKL's GEMM measured faster end to end than packed): its layers
-    keep their weight Parameters, with our kernel for few rows where the CPU has AVX-512."""
+def test_float32_gets_panel_layers_and_holds_its_weights_once(tiny_models, monkeypatch):
+    """fp32 is not oneDNN-packed by default; on AVX-512 its projections and logits become PanelLinear,
+    whose panels replace the originals: a tied embedding reads its rows from the head's panels."""
     monkeypatch.delenv(ENV, raising=False)
     llm = LLM(str(tiny_models["smollm-tied"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
     model = llm.engine.model
     assert type(model.layers[0].qkv_proj) is FP32_KIND
-    if FP32_KIND is SmallBatchLinear:  # the logits share the tied embedding: no second copy
-        assert model.logits_head.weight is model.embed_tokens.weight
+    monkeypatch.setenv(ENV, "0")
+    plain = LLM(str(tiny_models["smollm-tied"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
+    if not PANELS:
+        return
+    assert type(model.embed_tokens) is PanelEmbedding and model.embed_tokens.head is model.logits_head
+    dense = plain.engine.model.embed_tokens.weight
+    assert torch.equal(model.logits_head.dense_weight(), dense)
+    ids = torch.tensor([[0, 47, 48], [dense.shape[0] - 1, 5, 95]])
+    assert torch.equal(model.embed_tokens(ids), dense[ids])  # rows bit for bit, any id shape
+    # one copy: the weights' size the stats report is the plain model's up to the panels' padding
+    panel_bytes = sum(p.numel() * 4 for p in model.parameters())
+    plain_bytes = sum(p.numel() * 4 for p in plain.engine.model.parameters())
+    assert plain_bytes <= panel_bytes < plain_bytes * 1.05
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])  # the kernel up to 16 rows, MKL above
-@pytest.mark.parametrize("shape", [(960, 576, True), (100, 70, False), (49152, 576, False)])
-def test_fp32_small_batch_layer_matches_nn_linear(rows, shape):
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 63, 64, 65, 300, 2048])  # 8-row blocks, 64-row items
+# SmolLM2's qkv (bias), logits, down (K in passes of 128); N and K that pad; one short panel
+@pytest.mark.parametrize(
+    "shape", [(960, 576, True), (49152, 576, False), (576, 1536, False), (100, 70, True), (33, 200, True)]
+)
+def test_fp32_panel_layer_matches_nn_linear(rows, shape):
     out_features, in_features, bias = shape
     linear = _linear(torch.float32, out_features, in_features, bias)
-    layer = SmallBatchLinear.around(linear.weight, linear.bias)
+    if not PANELS:  # no AVX-512: the engine keeps nn.Linear (checked above)
+        return
+    if rows == 2048 and out_features == 49152:
+        rows = 300  # the logits never see a prefill's rows (only the rows that sample)
+    layer = PanelLinear(linear.weight, linear.bias)
+    assert torch.equal(layer.dense_weight(), linear.weight)
     x = torch.randn(rows, in_features)
     with torch.inference_mode():
-        if not fp32_kernel_available():  # no AVX-512: the engine keeps nn.Linear (checked above)
-            return
         got = layer(x)
+        assert got.shape == (rows, out_features)
         torch.testing.assert_close(got, linear(x), **FP32_TOL)
         exact = (x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)).float()
         torch.testing.assert_close(got, exact, **FP32_TOL)
         torch.testing.assert_close(layer(x.reshape(1, rows, in_features)), got.reshape(1, rows, -1), **FP32_TOL)
+        # one fixed order of sums per output: a row's result does not depend on the batch around it
+        assert torch.equal(layer(x[-1:]), got[-1:])
+        assert torch.equal(layer(x[rows // 2 :]), got[rows // 2 :])
 
 
-def test_fp32_engine_gives_the_same_greedy_tokens_with_and_without_the_small_batch_kernel(tiny_models, monkeypatch):
+def test_fp32_panel_layer_refuses_what_does_not_fit_and_unpacks():
+    linear = _linear(torch.float32, 100, 70, True)
+    if not PANELS:
+        return
+    layer = PanelLinear(linear.weight, linear.bias)
+    assert layer.weight.shape == (3, 70, 48) and torch.equal(pack_panels(linear.weight), layer.weight)
+    with torch.inference_mode():
+        assert layer(torch.randn(0, 70)).shape == (0, 100)
+        x = torch.randn(2, 3, 70)
+        torch.testing.assert_close(layer(x[:, 1]), linear(x[:, 1]), **FP32_TOL)  # rows not contiguous
+        with pytest.raises(RuntimeError, match="last dim as K"):
+            layer(torch.randn(4, 64))
+        with pytest.raises(RuntimeError, match="float32 CPU tensors"):
+            layer(torch.randn(4, 70).to(torch.bfloat16))
+    back = unpanelled(layer)
+    assert type(back) is nn.Linear and torch.equal(back.weight, linear.weight) and back.bias is layer.bias
+
+
+def test_fp32_engine_gives_the_same_greedy_tokens_with_and_without_the_panel_kernel(tiny_models, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     path = str(tiny_models["qwen2"])  # qkv bias
     prompts = random_prompts(5, (3, 70), seed=14)

@@ -36,7 +36,7 @@ SOURCES = [
     CSRC / "fused_ops.cpp",
     CSRC / "amx_linear.cpp",
     CSRC / "amx_attention.cpp",
-    CSRC / "fp32_linear.cpp",
+    CSRC / "fp32_gemm.cpp",
     CSRC / "decode_layers.cpp",
 ]
 HEADERS = [

@@ -20,6 +20,7 @@ from torch import nn
 from engine.kernels.attention import AttentionBatch
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
+from engine.model.panel_linear import PanelLinear
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -33,7 +34,7 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
         return 0, module.weight, module.bias_fp32
     if isinstance(module, pl.OneDNNLinear):
         return 1, module.weight, module.bias
-    if isinstance(module, pl.SmallBatchLinear):
+    if isinstance(module, PanelLinear):
         return 2, module.weight, module.bias
     if type(module) is nn.Linear:
         return 3, module.weight, module.bias
@@ -66,8 +67,6 @@ class FusedDecode:
                 self.biases.append(kind[2])
                 if isinstance(module, pl.AMXLinear) and module.large is not None:
                     self.max_rows = pl.LARGE_ROWS - 1
-        # SmallBatchLinear sends more than SMALL_BATCH rows to F.linear: that step's kinds say so
-        self.large_kinds = [3 if kind == 2 else kind for kind in self.kinds]
         first = model.layers[0]
         self.out_features = [getattr(first, name).out_features for name in pl.PROJECTIONS]
         self.scale = first.scale
@@ -87,9 +86,8 @@ class FusedDecode:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, kv_layers: list[KVLayer]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        kinds = self.kinds if x.shape[0] <= pl.SmallBatchLinear.SMALL_BATCH else self.large_kinds
         hidden, residual = torch.ops.kvtop_cpu.decode_layers(
-            x, cos, sin, self.norms, self.weights, self.biases, kinds, self.out_features, self.qk_norms,
+            x, cos, sin, self.norms, self.weights, self.biases, self.kinds, self.out_features, self.qk_norms,
             [kv.k for kv in kv_layers], [kv.v for kv in kv_layers], batch.slot_mapping, batch.decode_tables,
             batch.decode_lens, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, self.scale,
         )  # fmt: skip

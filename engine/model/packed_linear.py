@@ -15,13 +15,13 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
   more (long prefill steps, where it measured faster end to end).
 - `OneDNNLinear` otherwise (AVX-512 without AMX, or the extension missing): oneDNN's packed GEMM.
 
-fp32 is not packed by default (oneDNN's packed fp32 measured slower end to end than MKL's sgemm), but
-on AVX-512 its layers become `SmallBatchLinear`: the same weight, and for up to 16 rows (a decode
-step's batch) our dot-product kernel (engine/kernels/csrc/fp32_linear.cpp), 1.4-2.1x MKL's sgemm
-at 4-16 rows; more rows go to MKL as before.
+fp32 is not packed with oneDNN by default (its packed fp32 measured slower end to end than MKL's
+sgemm); on AVX-512 its layers become `PanelLinear` instead (engine/model/panel_linear.py): the
+weight packed in 48-column panels for our kernel (engine/kernels/csrc/fp32_gemm.cpp), any number
+of rows.
 
-`KVTOP_PACKED_LINEAR=0` turns packing (and the fp32 small-batch kernel) off, `=onednn` uses oneDNN's even where AMX is there, and
-`=all` packs fp32 too (oneDNN), to compare (fp32 packed measured slower end to end: see packed_dtypes).
+`KVTOP_PACKED_LINEAR=0` turns packing (and the fp32 panels) off, `=onednn` uses oneDNN's even where
+AMX is there, and `=all` packs fp32 with oneDNN too, to compare (slower end to end: see packed_dtypes).
 
 The packed op is oneDNN's (`torch.ops.mkldnn`): its packed weight replaces the original (no second
 copy; `weight.to_dense()` reads it back), and it is right for any number of rows, the batch size
@@ -42,6 +42,7 @@ from torch import nn
 from engine.config import format_bytes
 from engine.kernels import cpu
 from engine.log import log
+from engine.model.panel_linear import to_panels
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ENV = "KVTOP_PACKED_LINEAR"
@@ -218,53 +219,6 @@ def large_gemm_copy(projection_bytes: int) -> bool:
     return mode == "1" or projection_bytes <= LARGE_COPY_MAX
 
 
-class SmallBatchLinear(nn.Linear):
-    """nn.Linear (the same weight and bias Parameters, no copy) that sends up to SMALL_BATCH rows to
-    the AVX-512 fp32 kernel and more to F.linear (MKL's sgemm)."""
-
-    SMALL_BATCH = 16  # measured on SmolLM2's layers, 2 threads: 1.46x at 16 rows, 1.03x at 32, 0.82x at 64
-
-    @classmethod
-    def around(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> SmallBatchLinear:
-        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        layer.weight, layer.bias = weight, bias
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.SMALL_BATCH * self.in_features:
-            return torch.ops.kvtop_cpu.fp32_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def fp32_kernel_available() -> bool:
-    """The kernel extension built here with its AVX-512 fp32 linear."""
-    return _kernel_says("fp32_linear_supported")
-
-
-def _small_batch_fp32(model: nn.Module) -> bool:
-    """fp32 on the CPU, not packed: wrap every projection and the logits in SmallBatchLinear."""
-    weight = model.embed_tokens.weight
-    if not (weight.device.type == "cpu" and weight.dtype == torch.float32 and os.environ.get(ENV, "1") != "0"):
-        return False
-    if weight.dtype in packed_dtypes() or not fp32_kernel_available():
-        return False
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    places = [(layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS]
-    if not all(w.is_contiguous() for w in [head, *(linear.weight for _, _, linear in places)]):
-        return False  # the kernel reads W's rows in place
-    try:  # an op that fails on this CPU fails here, not mid-step
-        first = places[0][2]
-        probe = SmallBatchLinear.around(first.weight, first.bias)
-        probe(weight.new_zeros(1, probe.in_features))
-    except Exception as exc:
-        log(f"fp32 small-batch linear kernel off ({type(exc).__name__}: {exc}); using nn.Linear")
-        return False
-    for layer, name, linear in places:
-        setattr(layer, name, SmallBatchLinear.around(linear.weight, linear.bias))
-    model.logits_head = SmallBatchLinear.around(head, None)  # a tied embedding: the same Parameter
-    return True
-
-
 def packed_dtypes() -> tuple[torch.dtype, ...]:
     """bf16 by default. fp32 only with KVTOP_PACKED_LINEAR=all: end to end on SmolLM2 (2 threads, 64
     prompts x 256 -> 128) packed fp32 ran at 181 tok/s against plain fp32's 207, and one sequence's
@@ -312,9 +266,12 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
     """Swap the model's four projections per layer and its logits matmul for packed layers, in
     place; False where packing does not apply, or (one log line, the model back to nn.Linear) fails.
     Each original goes as soon as its packed copy exists: loading never holds two copies.
-    fp32 (not packed) gets SmallBatchLinear instead where the CPU has AVX-512; that returns False too."""
-    if not applies(model.embed_tokens.weight):
-        _small_batch_fp32(model)
+    fp32 gets PanelLinear instead where the CPU has AVX-512 (engine/model/panel_linear.py); that
+    returns False too."""
+    weight = model.embed_tokens.weight
+    if not applies(weight):
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and os.environ.get(ENV, "1") != "0":
+            to_panels(model, PROJECTIONS)
         return False
     done: list[tuple[nn.Module, str]] = []
     projections = [getattr(layer, name).weight for layer in model.layers for name in PROJECTIONS]

@@ -12,7 +12,7 @@
 // or bfloat16, a KV cache of the model's own dtype, the `cpu` attention backend. Each projection is
 // one of these kinds, the layer classes of engine/model/packed_linear.py:
 //   0 AMXLinear (amx_linear on the tile layout, an fp32 bias), 1 OneDNNLinear (oneDNN's packed GEMM),
-//   2 SmallBatchLinear's small batches (fp32_linear; fused_decode.py sends its larger ones as 3),
+//   2 PanelLinear (fp32_gemm on the fp32 panel layout),
 //   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue).
 
 #include <ATen/ATen.h>
@@ -63,9 +63,9 @@ struct Ops {
       gate_up = op("kvtop_cpu::amx_gate_up")
                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
                                       bool)>();
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)> fp32 =
-      op("kvtop_cpu::fp32_linear")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
+      fp32 = op("kvtop_cpu::fp32_gemm")
+                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
 };
 
 const Ops& ops() {
@@ -92,7 +92,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
   switch (kind) {
     case 0: return ops().amx.call(x, w, bias, n);
     case 1: return onednn_linear(x, w, bias);
-    case 2: return ops().fp32.call(x, w, bias);
+    case 2: return ops().fp32.call(x, w, bias, n);
     case 3: return at::linear(x, w, bias);
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }

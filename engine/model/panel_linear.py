@@ -1,0 +1,113 @@
+"""fp32 linear layers on the CPU with their weight packed in column panels (issue #13).
+
+On AVX-512, a loaded fp32 model's four projections per layer and its logits matmul become
+`PanelLinear`: the weight packed once as panels of 48 output columns ([ceil(N/48), K, 48], one
+contiguous stream each, zero-padded), multiplied by our kernel (engine/kernels/csrc/fp32_gemm.cpp)
+for any number of rows. It replaces MKL's sgemm, which repacks the weight on every call and, at a
+decode step's 16-64 rows with the weights coming from DRAM, left the FMA units idle while they
+streamed: SmolLM2-135M's linears, layer by layer from DRAM (benchmarks/linear.py --dtype float32),
+1.7x faster at 16 rows, 1.4x at 64, even at 512 (benchmarks/README.md, "Tenth pass"). The packed
+copy replaces the original (one copy); a tied embedding looks its rows up in the head's panels.
+
+`KVTOP_PACKED_LINEAR=0` keeps nn.Linear (MKL's sgemm), as it does for bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import cpu
+from engine.log import log
+
+PANEL = 48  # output columns per panel (csrc/fp32_gemm.cpp's kNR)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight as [ceil(N/48), K, 48]: panel p, row k holds W[48p : 48p + 48, k]."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_panels` undone: the dense [N, K] weight."""
+    count, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(count * PANEL, k)[:out_features].contiguous()
+
+
+def kernel_available() -> bool:
+    """The kernel extension built here with its AVX-512 fp32 GEMM."""
+    return cpu.load() and bool(torch.ops.kvtop_cpu.fp32_linear_supported())
+
+
+class PanelLinear(nn.Module):
+    """fp32 linear on the panel kernel: `weight` holds the panels (same bytes as the original up to
+    padding N to 48); `dense_weight()` reads the original back."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(pack_panels(weight), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvtop_cpu.fp32_gemm(x, self.weight, self.bias, self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        return unpack_panels(self.weight, self.out_features)
+
+
+class PanelEmbedding(nn.Module):
+    """A tied embedding looked up in its logits head's panels, so the table is held once: row n is
+    column n % 48 of panel n // 48 (one strided gather; SmolLM2, 2,048 ids: ~1 ms)."""
+
+    def __init__(self, head: PanelLinear) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.reshape(-1)
+        rows = self.head.weight[n // PANEL, :, n % PANEL]  # [ids, K]
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:
+    """Swap an fp32 CPU model's projections and logits matmul for PanelLinear, in place, where the
+    kernel built here has AVX-512. Each original goes as soon as its panels exist (loading never holds
+    two copies); on any failure (one log line) the model is back on nn.Linear. True when swapped."""
+    if not kernel_available():
+        return False
+    done: list[tuple[nn.Module, str]] = []
+    try:
+        for layer in model.layers:
+            for name in projections:
+                linear = getattr(layer, name)
+                setattr(layer, name, PanelLinear(linear.weight, linear.bias))
+                done.append((layer, name))
+                if len(done) == 1:  # an op that fails on this CPU fails here, not mid-step
+                    getattr(layer, name)(linear.weight.new_zeros(1, linear.in_features))
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.logits_head = PanelLinear(head, None)
+    except Exception as exc:  # the op refusing this build: plain nn.Linear, as before
+        for layer, name in done:
+            setattr(layer, name, unpanelled(getattr(layer, name)))
+        model.logits_head = None
+        log(f"fp32 panel linear layers off ({type(exc).__name__}: {exc}); using nn.Linear")
+        return False
+    if model.lm_head is None:
+        model.embed_tokens = PanelEmbedding(model.logits_head)  # the lookup reads the panels: one copy
+    else:
+        model.lm_head = model.logits_head  # the dense original goes
+    return True
+
+
+def unpanelled(layer: PanelLinear) -> nn.Linear:
+    """The plain nn.Linear a PanelLinear came from (same weight values and bias)."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = nn.Parameter(layer.dense_weight(), requires_grad=False)
+    if layer.bias is not None:
+        linear.bias = layer.bias
+    return linear
