@@ -123,7 +123,7 @@ def test_refuses_what_it_cannot_do():
 
 def test_without_amx_prefill_keeps_sdpa():
     """Where the CPU has no AMX, `cpu_prefill` never calls the op (it would refuse) and bf16 prefill
-    goes through SDPA; where it has, bf16 takes the op and fp32 keeps SDPA."""
+    goes through SDPA; where it has, bf16 takes the op (fp32 has its own: test_fp32_attention.py)."""
     from engine.kernels import cpu_prefill
 
     q, k, _ = inputs(1, 4, 4, 2, 1, 64)

@@ -102,6 +102,10 @@ void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const float* 
       const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
       const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
       float* slot = buf + (m - m0) * kNR;
+      if (last && m + kMR < m1) {  // the next block's output lines, for writing, while this one multiplies
+        for (int64_t r = m + kMR; r < std::min(m1, m + 2 * kMR); ++r)
+          for (int64_t c = 0; c < cols; c += 16) _mm_prefetch(reinterpret_cast<const char*>(y + r * n + n0 + c), _MM_HINT_ET0);
+      }
       rows_block(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
                  (k0 == 0 && bias) ? bias + n0 : nullptr, last ? y + m * n + n0 : slot, last ? n : kNR,
                  last ? masks : all, pf, std::min(share, lines - first_line));

@@ -1,0 +1,188 @@
+// Causal prefill attention in fp32 on AVX-512 for the CPU engine (issue #13).
+//
+// Why: in an fp32 prefill step of SmolLM2 (8 prompts x 256 tokens) torch's CPU flash attention took
+// ~200 ms of ~1,800 (11 %), ~90 GFLOP/s counting only the causal half. Here a block of 6 queries
+// stops at its last visible key and both products run on the register blocking of fp32_gemm.cpp.
+//
+// q [S, N, Hq, D], k and v [S, L, Hkv, D] (S sequences of N new tokens over L keys each, the new
+// tokens the last N; last dims contiguous, any other strides; Hq a multiple of Hkv: GQA), fp32, D a
+// multiple of 16 up to 256. Query i of a sequence sees keys 0 .. L - N + i. One task is (sequence,
+// KV head, 256 queries): it lays the keys it can see out transposed ([D][keys], zero-padded) once
+// and runs every query head of the group over them, 6 queries at a time: scores, the exact softmax
+// of each row over its visible keys (cephes_exp.h's exp), P V with V read in place, divided by the
+// row sums. Within fp32 rounding of SDPA (tests/test_fp32_attention.py); engine/kernels/cpu_prefill.py
+// uses it where the build has AVX-512.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cephes_exp.h"
+
+namespace {
+
+constexpr int64_t kTaskQueries = 256;  // queries per task: the keys' layout is built once per task
+constexpr int64_t kMaxHeadDim = 256;
+
+#ifdef __AVX512F__
+constexpr int64_t kRows = 6;   // queries per block: 6 x 4 accumulators
+constexpr int64_t kCols = 64;  // keys (scores) or dims (P V) per pass: 4 vectors
+
+// acc[m][v] = sum over k < kc of a[m * lda + k] * b[k * ldb + 16 v], for m < MR, v < NV; stored to
+// out[m * ldo + 16 v].
+template <int MR, int NV>
+void product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* out, int64_t ldo) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 av = _mm512_set1_ps(a[m * lda + k]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(av, bv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
+}
+
+template <int MR>
+void product_nv(int64_t nv, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* out,
+                int64_t ldo) {
+  switch (nv) {
+    case 4: return product<MR, 4>(a, lda, b, ldb, kc, out, ldo);
+    case 3: return product<MR, 3>(a, lda, b, ldb, kc, out, ldo);
+    case 2: return product<MR, 2>(a, lda, b, ldb, kc, out, ldo);
+    default: return product<MR, 1>(a, lda, b, ldb, kc, out, ldo);
+  }
+}
+
+// out[0..mr) x [0..cols) = a[0..mr) . b over kc (cols a multiple of 16), in passes of kCols columns.
+void rows_product(int64_t mr, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, int64_t cols,
+                  float* out, int64_t ldo) {
+  for (int64_t c = 0; c < cols; c += kCols) {
+    const int64_t nv = std::min(kCols, cols - c) / 16;
+    switch (mr) {
+      case 6: product_nv<6>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+      case 5: product_nv<5>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+      case 4: product_nv<4>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+      case 3: product_nv<3>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+      case 2: product_nv<2>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+      default: product_nv<1>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> kt, q, s, o;  // keys transposed [D][pitch]; a block's queries, scores and output
+};
+
+// Row i of s (width `visible` valid, the rest up to `width` zeroed): exp(scale * (s - max)), the
+// softmax's numerator; returns its sum.
+float softmax_row(float* row, int64_t visible, int64_t width, float scale) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - j)) - 1);
+  if (j < visible) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, row + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale), sc = _mm512_set1_ps(scale);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j < width; j += 16) {
+    const int64_t left = visible - j;
+    const __mmask16 valid = left >= 16 ? 0xffff : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), sc, m);
+    const __m512 e = _mm512_maskz_mov_ps(valid, kvtop_exp::exp16(x));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_storeu_ps(row + j, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, int64_t b,
+                 int64_t h, int64_t q0, int64_t q1, float scale, Scratch& w) {
+  const int64_t n = q.size(1), hq = q.size(2), d = q.size(3), l = k.size(1), hkv = k.size(2);
+  const int64_t offset = l - n;                       // query i sees keys 0 .. offset + i
+  const int64_t nk = offset + q1;                     // keys the task's last query sees
+  const int64_t pitch = (nk + 15) / 16 * 16 + 16;     // +16: a pitch of a power of two shares L1 sets
+  w.kt.assign(d * pitch, 0.0f);
+  const float* kb = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(2);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t c = 0; c < d; ++c) w.kt[c * pitch + j] = kb[j * k.stride(1) + c];
+  w.q.resize(kRows * d);
+  w.s.resize(kRows * pitch);
+  w.o.resize(kRows * d);
+  const float* vb = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(2);
+  const int64_t group = hq / hkv;
+  for (int64_t head = h * group; head < (h + 1) * group; ++head) {
+    const float* qb = q.data_ptr<float>() + b * q.stride(0) + head * q.stride(2);
+    float* ob = out.data_ptr<float>() + b * out.stride(0) + head * out.stride(2);
+    for (int64_t i0 = q0; i0 < q1; i0 += kRows) {
+      const int64_t rows = std::min(kRows, q1 - i0);
+      const int64_t keys = offset + i0 + rows;            // the block's last query sees this many
+      const int64_t width = (keys + 15) / 16 * 16;
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(qb + (i0 + r) * q.stride(1), d, w.q.data() + r * d);
+      rows_product(rows, w.q.data(), d, w.kt.data(), pitch, d, width, w.s.data(), pitch);
+      float inv[kRows];
+      for (int64_t r = 0; r < rows; ++r)
+        inv[r] = 1.0f / softmax_row(w.s.data() + r * pitch, offset + i0 + r + 1, width, scale);
+      rows_product(rows, w.s.data(), pitch, vb, v.stride(1), keys, d, w.o.data(), d);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* orow = ob + (i0 + r) * out.stride(1);
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int64_t c = 0; c < d; c += 16)
+          _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * d + c), iv));
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
+
+at::Tensor fp32_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+#ifndef __AVX512F__
+  TORCH_CHECK(false, "fp32_causal_attention: this build has no AVX-512");
+#endif
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  !q.is_cuda() && !k.is_cuda() && !v.is_cuda(),
+              "fp32_causal_attention: float32 CPU q, k, v expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fp32_causal_attention: [S, N, H, D] tensors expected");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "fp32_causal_attention: k and v must be [S, L, Hkv, D] with q's S and D");
+  const int64_t s = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3), l = k.size(1), hkv = k.size(2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "fp32_causal_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(d % 16 == 0 && d <= kMaxHeadDim, "fp32_causal_attention: head_dim must be a multiple of 16 up to 256");
+  TORCH_CHECK(n <= l, "fp32_causal_attention: more queries than keys");
+  TORCH_CHECK(scale > 0, "fp32_causal_attention: the scale must be positive");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "fp32_causal_attention: last dims must be contiguous");
+  at::Tensor out = at::empty({s, n, hq, d}, q.options());
+  if (s == 0 || n == 0) return out;
+#ifdef __AVX512F__
+  const int64_t chunks = (n + kTaskQueries - 1) / kTaskQueries, tasks = s * hkv * chunks;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    thread_local Scratch w;  // grown once per thread, reused by every layer's call
+    for (int64_t t = t0; t < t1; ++t) {
+      // a head's chunks in the order first, last, second, second to last...: later chunks see more
+      // keys, and a thread's run of tasks then mixes heavy and light ones
+      const int64_t b = t / (hkv * chunks), h = (t / chunks) % hkv, z = t % chunks;
+      const int64_t c = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
+      const int64_t q0 = c * kTaskQueries, q1 = std::min(n, q0 + kTaskQueries);
+      attend_task(q, k, v, out, b, h, q0, q1, static_cast<float>(scale), w);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("fp32_causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &fp32_causal_attention);
+}

@@ -1,0 +1,124 @@
+"""The fp32 prefill attention on AVX-512 (`kvtop_cpu::fp32_causal_attention`, csrc/fp32_attention.cpp)
+against SDPA in fp64 over the same inputs (the oracle), its refusals, and its place in `cpu_prefill`.
+
+Tolerance: 2e-5 abs and rel: the same fp32 arithmetic as SDPA's in another order of sums (measured
+worst ~5e-7 on values of order 1). On a build without AVX-512 the op refuses with one clear error and
+`cpu_prefill` keeps SDPA: the tests check that instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu, cpu_prefill
+from engine.model.panel_linear import kernel_available
+
+AVX512 = kernel_available()  # loads (and on a first run builds) the kernel extension
+
+TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query i of a sequence (the last N of its L tokens) sees keys 0 .. L - N + i; SDPA in fp64."""
+    n, length = q.shape[1], k.shape[1]
+    positions = torch.arange(length)
+    mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2).double() for t in (q, k, v)),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2).float()
+
+
+def inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seqs, n, heads, head_dim, generator=g)
+    k = torch.randn(seqs, length, kv_heads, head_dim, generator=g)
+    v = torch.randn(seqs, length, kv_heads, head_dim, generator=g)
+    return q, k, v
+
+
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="no AVX-512 in this build: test_placement checks SDPA serves")
+
+# (sequences, new tokens, keys): one token, a partial block of 6 queries, whole prompts of several
+# blocks and of two 256-query tasks (300), a chunk over a cached prefix, one token over a prefix
+SHAPES = [(1, 1, 1), (2, 5, 5), (1, 17, 17), (3, 100, 100), (2, 256, 256), (1, 300, 300), (2, 12, 200), (1, 1, 77)]
+
+
+@needs_avx512
+@pytest.mark.parametrize("seqs,n,length", SHAPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])  # GQA 1, 3 (SmolLM2), 8
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_matches_sdpa(seqs, n, length, heads, kv_heads, head_dim):
+    q, k, v = inputs(seqs, n, length, heads, kv_heads, head_dim, seed=n + heads + head_dim)
+    scale = head_dim**-0.5
+    out = torch.ops.kvtop_cpu.fp32_causal_attention(q, k, v, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, oracle(q, k, v, scale), **TOL)
+
+
+@needs_avx512
+@pytest.mark.parametrize("head_dim", [16, 80, 256])  # one vector, a pass of 64 dims and a partial one, four
+def test_other_head_sizes(head_dim):
+    q, k, v = inputs(2, 70, 90, 4, 2, head_dim, seed=head_dim)
+    torch.testing.assert_close(torch.ops.kvtop_cpu.fp32_causal_attention(q, k, v, 0.1), oracle(q, k, v, 0.1), **TOL)
+
+
+@needs_avx512
+def test_long_prompt_strided_views_and_keys_past_the_context_never_read():
+    """A 1,024-token prompt, queries and keys that are views into packed qkv rows as the model hands
+    them over (the heads' dim contiguous, nothing else), and NaN in a cache past the keys passed."""
+    heads, kv_heads, d, length = 9, 3, 64, 1024
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(length + 8, (heads + 2 * kv_heads) * d, generator=g)
+    qkv[length:] = float("nan")
+    q = qkv[:length, : heads * d].view(1, length, heads, d)
+    k = qkv[:length, heads * d : (heads + kv_heads) * d].view(1, length, kv_heads, d)
+    v = qkv[:length, (heads + kv_heads) * d :].view(1, length, kv_heads, d)
+    assert not q.is_contiguous()
+    out = torch.ops.kvtop_cpu.fp32_causal_attention(q, k, v, d**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, oracle(q, k, v, d**-0.5), **TOL)
+
+
+@needs_avx512
+def test_large_scores_do_not_overflow():
+    """Scores in the thousands (a large scale): the softmax subtracts each row's maximum first."""
+    q, k, v = inputs(1, 40, 40, 2, 1, 64, seed=9)
+    out = torch.ops.kvtop_cpu.fp32_causal_attention(q * 30, k * 30, v, 1.0)
+    assert not out.isnan().any() and not out.isinf().any()
+    torch.testing.assert_close(out, oracle(q * 30, k * 30, v, 1.0), **TOL)
+
+
+@needs_avx512
+def test_refuses_what_it_cannot_do():
+    q, k, v = inputs(1, 8, 8, 4, 2, 64)
+    op = torch.ops.kvtop_cpu.fp32_causal_attention
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(*inputs(1, 8, 8, 4, 2, 40), 0.1)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        op(*inputs(1, 8, 8, 5, 2, 64), 0.1)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        op(q, k[:, :4], v[:, :4], 0.1)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        op(q, k, v, 0.0)
+    assert op(q[:, :0], k, v, 0.1).shape == (1, 0, 4, 64)
+
+
+def test_placement():
+    """`cpu_prefill` sends fp32 groups to the op where the build has AVX-512 (head sizes it takes),
+    never bf16 ones, and keeps SDPA elsewhere (where the op would refuse)."""
+    assert cpu.load()
+    q, k, _ = inputs(1, 4, 4, 2, 1, 64)
+    assert cpu_prefill._fp32_attention(q, k) == AVX512
+    assert not cpu_prefill._fp32_attention(q.bfloat16(), k.bfloat16())
+    assert not cpu_prefill._fp32_attention(*inputs(1, 4, 4, 2, 1, 40)[:2])
+    if not AVX512:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            torch.ops.kvtop_cpu.fp32_causal_attention(*inputs(1, 4, 4, 2, 1, 64), 0.1)
