@@ -5,9 +5,10 @@ On AVX-512, a loaded fp32 model's four projections per layer and its logits matm
 contiguous stream each, zero-padded), multiplied by our kernel (engine/kernels/csrc/fp32_gemm.cpp)
 for any number of rows. It replaces MKL's sgemm, which repacks the weight on every call and, at a
 decode step's 16-64 rows with the weights coming from DRAM, left the FMA units idle while they
-streamed: SmolLM2-135M's linears, layer by layer from DRAM (benchmarks/linear.py --dtype float32),
-1.7x faster at 16 rows, 1.4x at 64, even at 512 (benchmarks/README.md, "Tenth pass"). The packed
-copy replaces the original (one copy); a tied embedding looks its rows up in the head's panels.
+streamed: SmolLM2-135M's linears (benchmarks/linear.py --dtype float32) 1.5-1.7x faster at 4-16
+rows, 1.35-1.4x at 64, even from 256 rows to a 2,048-token prefill, 0.9-1.0x at one row (MKL's
+GEMV) (benchmarks/README.md, "Tenth pass"). The panels replace the original (one copy); a tied
+embedding looks its rows up in the head's panels.
 
 `KVTOP_PACKED_LINEAR=0` keeps nn.Linear (MKL's sgemm), as it does for bf16.
 """

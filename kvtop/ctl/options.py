@@ -49,7 +49,11 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "max_num_seqs": (int, typer.Option(help="Most sequences running at once.", rich_help_panel=_P)),
     "max_num_batched_tokens": (
         int,
-        typer.Option(help="Token budget of one step (prefill chunks + decodes).", rich_help_panel=_P),
+        typer.Option(
+            help="Token budget of one step (prefill chunks + decodes): smaller gives a burst its first tokens "
+            "sooner, larger keeps running streams' token gaps short (docs/serving.md).",
+            rich_help_panel=_P,
+        ),
     ),
     "max_model_len": (
         int | None,

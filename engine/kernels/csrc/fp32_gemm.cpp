@@ -1,17 +1,19 @@
 // fp32 linear layers on AVX-512 over a weight packed in column panels (issue #13).
 //
-// Why: at a decode step's batch (17-512 rows) MKL's sgemm, which nn.Linear calls, repacks the weight
+// Why: at a decode step's batch (16-64 rows) MKL's sgemm, which nn.Linear calls, repacks the weight
 // on every call and, the weight coming from DRAM, does not overlap that stream with its multiplies:
 // SmolLM2-135M's projections at 64 rows ran at ~170 GFLOP/s in a decode step where the two cores'
 // FMA units allow ~335. This kernel holds the weight packed once, as panels of 48 output columns
 // ([ceil(N/48), K, 48], zero-padded: one contiguous stream per panel), and computes y = x W^T + b
 // with an 8-row x 48-column block of 24 accumulators, x's values broadcast along K. K runs in
-// passes of kKC so a panel's slice (24 KiB) stays in L1 across all the row blocks of a work item.
-// Sums run in another order than MKL's: results agree to fp32 rounding (tests/test_fp32_gemm.py),
-// not bit for bit.
+// passes of kKC so a panel's slice (24 KiB) stays in L1 across all the row blocks of a work item;
+// the next panel is prefetched into L2 meanwhile. Any number of rows (a 2,048-token prefill step
+// runs about even with MKL). Sums run in another order than MKL's: results agree to fp32 rounding
+// (tests/test_packed_linear.py), not bit for bit; but each output is one fixed sequence of FMAs, so
+// a row's result does not depend on how many rows the call has.
 //
 // Built where the target has AVX-512F (-march=native on such a CPU); elsewhere
-// `fp32_linear_supported()` is false and engine/model/packed_linear.py keeps nn.Linear.
+// `fp32_linear_supported()` is false and engine/model/panel_linear.py keeps nn.Linear.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -104,7 +106,8 @@ void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const float* 
       float* slot = buf + (m - m0) * kNR;
       if (last && m + kMR < m1) {  // the next block's output lines, for writing, while this one multiplies
         for (int64_t r = m + kMR; r < std::min(m1, m + 2 * kMR); ++r)
-          for (int64_t c = 0; c < cols; c += 16) _mm_prefetch(reinterpret_cast<const char*>(y + r * n + n0 + c), _MM_HINT_ET0);
+          for (int64_t c = 0; c < cols; c += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(y + r * n + n0 + c), _MM_HINT_ET0);
       }
       rows_block(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
                  (k0 == 0 && bias) ? bias + n0 : nullptr, last ? y + m * n + n0 : slot, last ? n : kNR,
