@@ -228,6 +228,35 @@ def test_fp32_panel_layer_matches_nn_linear(rows, shape):
         assert torch.equal(layer(x[rows // 2 :]), got[rows // 2 :])
 
 
+def test_fp32_panels_that_fail_leave_plain_nn_linear_and_one_log_line(tiny_models, capfd, monkeypatch):
+    """A projection the panels cannot take (here the last layer's, in another dtype) after every layer
+    before it was packed: the model is back on nn.Linear with the same weights, one `[kvtop]` line
+    says why, and the tokens do not move."""
+    monkeypatch.setenv(ENV, "0")
+    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
+    monkeypatch.delenv(ENV)
+    prompts = random_prompts(2, (5, 20), seed=15)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    model = llm.engine.model
+    weights = [getattr(layer, n).weight.clone() for layer in model.layers for n in PROJECTIONS]
+    last = model.layers[-1]
+    down = last.down_proj
+    last.down_proj = nn.Linear(down.in_features, down.out_features, bias=False, dtype=torch.float64)
+    capfd.readouterr()
+    assert pack_model(model) is False
+    err = capfd.readouterr().err
+    assert (err.count("\n") == 1 and "fp32 panel linear layers off" in err) or not PANELS
+    last.down_proj = down
+    assert all(type(getattr(layer, n)) is nn.Linear for layer in model.layers for n in PROJECTIONS)
+    assert all(
+        torch.equal(getattr(layer, n).weight, w)
+        for (layer, n), w in zip([(lay, n) for lay in model.layers for n in PROJECTIONS], weights, strict=True)
+    )
+    assert getattr(model, "logits_head", None) is None
+    assert [o.token_ids for o in llm.generate(prompts, params)] == before
+
+
 def test_fp32_panel_layer_refuses_what_does_not_fit_and_unpacks():
     linear = _linear(torch.float32, 100, 70, True)
     if not PANELS:

@@ -62,7 +62,7 @@ class PanelLinear(nn.Module):
 
 class PanelEmbedding(nn.Module):
     """A tied embedding looked up in its logits head's panels, so the table is held once: row n is
-    column n % 48 of panel n // 48 (one strided gather; SmolLM2, 2,048 ids: ~1 ms)."""
+    column n % 48 of panel n // 48 (one strided gather)."""
 
     def __init__(self, head: PanelLinear) -> None:
         super().__init__()
@@ -86,6 +86,8 @@ def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:
         for layer in model.layers:
             for name in projections:
                 linear = getattr(layer, name)
+                if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+                    raise TypeError(f"{name} holds a {linear.weight.dtype} {linear.weight.device.type} weight")
                 setattr(layer, name, PanelLinear(linear.weight, linear.bias))
                 done.append((layer, name))
                 if len(done) == 1:  # an op that fails on this CPU fails here, not mid-step

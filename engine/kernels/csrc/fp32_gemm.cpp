@@ -96,8 +96,8 @@ void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const float* 
     const int64_t kc = std::min(kKC, k - k0);
     const bool last = k0 + kc >= k;
     // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks: the
-    // weights of a decode step come from DRAM, and the hardware prefetcher alone left half the time
-    // waiting on them
+    // weights of a decode step come from DRAM, and with the hardware prefetcher alone SmolLM2's
+    // linears at 64 rows took ~1.3x as long
     const int64_t blocks = (m1 - m0 + kMR - 1) / kMR, lines = next ? kc * kNR * 4 / 64 : 0;
     const int64_t share = (lines + blocks - 1) / blocks;
     for (int64_t m = m0; m < m1; m += kMR) {
