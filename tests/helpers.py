@@ -30,6 +30,45 @@ def random_prompts(n: int, lengths: tuple[int, int], vocab: int = 49152, seed: i
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
+# Causal prefill attention cases, (sequences, new tokens, keys): one token, a partial block, whole
+# prompts of several blocks and of two 256-query tasks (300), a chunk over a cached prefix (the first
+# keys), one token over a prefix
+CAUSAL_SHAPES = [
+    (1, 1, 1),
+    (2, 5, 5),
+    (1, 17, 17),
+    (3, 100, 100),
+    (2, 256, 256),
+    (1, 300, 300),
+    (2, 12, 200),
+    (1, 1, 77),
+]
+
+
+def causal_inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0, dtype=torch.float32):
+    """Random q [S, N, Hq, D], k and v [S, L, Hkv, D] for the causal prefill kernels."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seqs, n, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(seqs, length, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(seqs, length, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def causal_oracle(q, k, v, scale: float, compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """Query i of a sequence (the last N of its L tokens) sees keys 0 .. L - N + i: SDPA in `compute`,
+    returned in fp32."""
+    n, length = q.shape[1], k.shape[1]
+    positions = torch.arange(length)
+    mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).to(compute) for t in (q, k, v)),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2).float()
+
+
 def widget_text(widget) -> str:
     """The plain text a Textual Static-like widget shows."""
     content = widget.content

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import cpu
 from engine.kernels.cpu_prefill import _amx
 from engine.model.packed_linear import amx_available
+from tests.helpers import CAUSAL_SHAPES, causal_inputs, causal_oracle
 
 AMX = amx_available()  # loads (and on a first run builds) the kernel extension
 
@@ -28,34 +28,17 @@ def built() -> None:
 
 
 def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Query i of a sequence (the last N of its L tokens) sees keys 0 .. L - N + i; fp32 SDPA."""
-    n, length = q.shape[1], k.shape[1]
-    positions = torch.arange(length)
-    mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2).float(),
-        k.transpose(1, 2).float(),
-        v.transpose(1, 2).float(),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    """fp32 SDPA over the bf16 inputs."""
+    return causal_oracle(q, k, v, scale)
 
 
 def inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(seqs, n, heads, head_dim, generator=g).bfloat16()
-    k = torch.randn(seqs, length, kv_heads, head_dim, generator=g).bfloat16()
-    v = torch.randn(seqs, length, kv_heads, head_dim, generator=g).bfloat16()
-    return q, k, v
+    return causal_inputs(seqs, n, length, heads, kv_heads, head_dim, seed, torch.bfloat16)
 
 
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX here: test_without_amx_prefill_keeps_sdpa checks that")
 
-# (sequences, new tokens, keys): one token, a partial tile, whole prompts of several tiles and of
-# two 256-query tasks (300), a chunk over a cached prefix (the first keys), one token over a prefix
-SHAPES = [(1, 1, 1), (2, 5, 5), (1, 17, 17), (3, 100, 100), (2, 256, 256), (1, 300, 300), (2, 12, 200), (1, 1, 77)]
+SHAPES = CAUSAL_SHAPES
 
 
 @needs_amx

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import cpu, cpu_prefill
 from engine.model.panel_linear import kernel_available
+from tests.helpers import CAUSAL_SHAPES, causal_inputs, causal_oracle
 
 AVX512 = kernel_available()  # loads (and on a first run builds) the kernel extension
 
@@ -21,32 +21,16 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
 def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Query i of a sequence (the last N of its L tokens) sees keys 0 .. L - N + i; SDPA in fp64."""
-    n, length = q.shape[1], k.shape[1]
-    positions = torch.arange(length)
-    mask = positions.unsqueeze(0) <= positions[length - n :].unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        *(t.transpose(1, 2).double() for t in (q, k, v)),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2).float()
+    """SDPA in fp64."""
+    return causal_oracle(q, k, v, scale, torch.float64)
 
 
-def inputs(seqs, n, length, heads, kv_heads, head_dim, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(seqs, n, heads, head_dim, generator=g)
-    k = torch.randn(seqs, length, kv_heads, head_dim, generator=g)
-    v = torch.randn(seqs, length, kv_heads, head_dim, generator=g)
-    return q, k, v
+inputs = causal_inputs
 
 
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="no AVX-512 in this build: test_placement checks SDPA serves")
 
-# (sequences, new tokens, keys): one token, a partial block of 6 queries, whole prompts of several
-# blocks and of two 256-query tasks (300), a chunk over a cached prefix, one token over a prefix
-SHAPES = [(1, 1, 1), (2, 5, 5), (1, 17, 17), (3, 100, 100), (2, 256, 256), (1, 300, 300), (2, 12, 200), (1, 1, 77)]
+SHAPES = CAUSAL_SHAPES
 
 
 @needs_avx512

@@ -44,6 +44,7 @@ HEADERS = [
     CSRC / "cephes_exp.h",
     CSRC / "amx_tiles.h",
     CSRC / "bf16_simd.h",
+    CSRC / "causal_tasks.h",
 ]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
@@ -96,6 +97,11 @@ def load() -> bool:
 def loaded() -> bool:
     """The extension is loaded in this process (never builds it: for callers outside the backend)."""
     return _loaded.get("ok", False)
+
+
+def says(question: str) -> bool:
+    """The extension built here, and its yes/no op `question` (amx_supported, fp32_linear_supported) says yes."""
+    return load() and bool(getattr(torch.ops.kvtop_cpu, question)())
 
 
 def _load() -> bool:

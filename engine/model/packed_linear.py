@@ -101,14 +101,9 @@ def _unpack_tiles(packed: torch.Tensor, out_features: int, in_features: int) -> 
     return dense[:out_features, :in_features].contiguous()
 
 
-def _kernel_says(question: str) -> bool:
-    """The kernel extension built here, and its `question` op (amx_supported, fp32_linear_supported) says yes."""
-    return cpu.load() and bool(getattr(torch.ops.kvtop_cpu, question)())
-
-
 def amx_available() -> bool:
     """The kernel extension built here and this CPU and kernel allow AMX tiles."""
-    return _kernel_says("amx_supported")
+    return cpu.says("amx_supported")
 
 
 class AMXLinear(nn.Module):

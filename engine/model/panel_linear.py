@@ -40,7 +40,7 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def kernel_available() -> bool:
     """The kernel extension built here with its AVX-512 fp32 GEMM."""
-    return cpu.load() and bool(torch.ops.kvtop_cpu.fp32_linear_supported())
+    return cpu.says("fp32_linear_supported")
 
 
 class PanelLinear(nn.Module):

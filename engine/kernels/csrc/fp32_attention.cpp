@@ -23,12 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "causal_tasks.h"
 #include "cephes_exp.h"
 
 namespace {
 
-constexpr int64_t kTaskQueries = 256;  // queries per task: the keys' layout is built once per task
-constexpr int64_t kMaxHeadDim = 256;
 
 #ifdef __AVX512F__
 constexpr int64_t kRows = 6;   // queries per block: 6 x 4 accumulators
@@ -149,32 +148,15 @@ at::Tensor fp32_causal_attention(const at::Tensor& q, const at::Tensor& k, const
 #ifndef __AVX512F__
   TORCH_CHECK(false, "fp32_causal_attention: this build has no AVX-512");
 #endif
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  !q.is_cuda() && !k.is_cuda() && !v.is_cuda(),
-              "fp32_causal_attention: float32 CPU q, k, v expected");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fp32_causal_attention: [S, N, H, D] tensors expected");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
-              "fp32_causal_attention: k and v must be [S, L, Hkv, D] with q's S and D");
-  const int64_t s = q.size(0), n = q.size(1), hq = q.size(2), d = q.size(3), l = k.size(1), hkv = k.size(2);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "fp32_causal_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(d % 16 == 0 && d <= kMaxHeadDim, "fp32_causal_attention: head_dim must be a multiple of 16 up to 256");
-  TORCH_CHECK(n <= l, "fp32_causal_attention: more queries than keys");
-  TORCH_CHECK(scale > 0, "fp32_causal_attention: the scale must be positive");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "fp32_causal_attention: last dims must be contiguous");
-  at::Tensor out = at::empty({s, n, hq, d}, q.options());
-  if (s == 0 || n == 0) return out;
+  const kvtop_causal::Shape sh = kvtop_causal::check("fp32_causal_attention", q, k, v, scale, at::kFloat, 16);
+  at::Tensor out = at::empty({sh.s, sh.n, sh.hq, sh.d}, q.options());
+  if (sh.s == 0 || sh.n == 0) return out;
 #ifdef __AVX512F__
-  const int64_t chunks = (n + kTaskQueries - 1) / kTaskQueries, tasks = s * hkv * chunks;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, sh.tasks(), 1, [&](int64_t t0, int64_t t1) {
     thread_local Scratch w;  // grown once per thread, reused by every layer's call
     for (int64_t t = t0; t < t1; ++t) {
-      // a head's chunks in the order first, last, second, second to last...: later chunks see more
-      // keys, and a thread's run of tasks then mixes heavy and light ones
-      const int64_t b = t / (hkv * chunks), h = (t / chunks) % hkv, z = t % chunks;
-      const int64_t c = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
-      const int64_t q0 = c * kTaskQueries, q1 = std::min(n, q0 + kTaskQueries);
-      attend_task(q, k, v, out, b, h, q0, q1, static_cast<float>(scale), w);
+      const kvtop_causal::Task task = kvtop_causal::task(sh, t);
+      attend_task(q, k, v, out, task.b, task.h, task.q0, task.q1, static_cast<float>(scale), w);
     }
   });
 #endif
