@@ -34,7 +34,7 @@ BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # our AMX tile kernel: Sapphire Rapids and later, with the kernel extension built for this CPU
 AMX = amx_available()
 BF16_KIND = AMXLinear if AMX else OneDNNLinear if BF16_PACKS else nn.Linear
-# fp32: on AVX-512 our panel kernel (engine/model/panel_linear.py), elsewhere nn.Linear (MKL's sgemm)
+# fp32: on AVX-512 or AVX2 our panel kernel (engine/model/panel_linear.py), elsewhere nn.Linear (MKL's sgemm)
 PANELS = kernel_available()
 FP32_KIND = PanelLinear if PANELS else nn.Linear
 
@@ -180,7 +180,7 @@ def test_float16_keeps_nn_linear(tiny_models):
 
 
 def test_float32_gets_panel_layers_and_holds_its_weights_once(tiny_models, monkeypatch):
-    """fp32 is not oneDNN-packed by default; on AVX-512 its projections and logits become PanelLinear,
+    """fp32 is not oneDNN-packed by default; on AVX-512 or AVX2 its projections and logits become PanelLinear,
     whose panels replace the originals: a tied embedding reads its rows from the head's panels."""
     monkeypatch.delenv(ENV, raising=False)
     llm = LLM(str(tiny_models["smollm-tied"]), dtype="float32", kv_cache_memory="2MiB", quiet=True)
@@ -209,7 +209,7 @@ def test_float32_gets_panel_layers_and_holds_its_weights_once(tiny_models, monke
 def test_fp32_panel_layer_matches_nn_linear(rows, shape):
     out_features, in_features, bias = shape
     linear = _linear(torch.float32, out_features, in_features, bias)
-    if not PANELS:  # no AVX-512: the engine keeps nn.Linear (checked above)
+    if not PANELS:  # neither AVX-512 nor AVX2: the engine keeps nn.Linear (checked above)
         return
     if rows == 2048 and out_features == 49152:
         rows = 300  # the logits never see a prefill's rows (only the rows that sample)
@@ -319,7 +319,9 @@ def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
     ]
     if AMX:
         assert type(model.embed_tokens) is TiledEmbedding and dense == []
-    else:  # oneDNN's packed weight cannot be read by rows: the lookup keeps the dense table
+    elif BF16_PACKS:  # oneDNN's packed head cannot be read by rows: the lookup keeps the dense table
+        assert dense == ["embed_tokens.weight", "logits_head.weight"]  # held twice (docs/engine.md)
+    else:  # nn.Linear everywhere: one table serves the lookup and the logits
         assert dense == ["embed_tokens.weight"]
 
 
