@@ -195,7 +195,10 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
     env = {**os.environ, "KVTOP_CACHE": str(tmp_path), "KVTOP_CPU_ARCH": "x86-64-v3"}
     tests = [
         "tests/test_cpu_kernels.py",
-        *(["tests/test_fused_ops.py"] if (root / "tests/test_fused_ops.py").exists() else []),
+        "tests/test_fused_ops.py",
+        # the fp32 panel GEMM's AVX2 block (2 rows x 6 vectors), layer by layer and on a whole engine
+        "tests/test_packed_linear.py::test_fp32_panel_layer_matches_nn_linear",
+        "tests/test_packed_linear.py::test_fp32_engine_gives_the_same_greedy_tokens_with_and_without_the_panel_kernel",
     ]
     cmd = [
         sys.executable,
@@ -213,6 +216,10 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
     built = list(tmp_path.glob("kernels/cpu-attention-*/kvtop_cpu_attention.so"))
     assert len(built) == 1
+    # the fp32 tests above ran on the panels, not on a quiet fallback to nn.Linear
+    says = "from engine.model.panel_linear import kernel_available; print(kernel_available())"
+    check = subprocess.run([sys.executable, "-c", says], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert check.stdout.split() == ["True"], check.stderr[-2000:]
     # that build really has no AVX-512 code: no zmm register in the library
     if shutil.which("objdump"):
         dump = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True, text=True, check=True)

@@ -2,9 +2,11 @@
 of one shape, causal without a mask when the chunk is the whole context) against the reference
 (`engine.kernels.reference.paged_prefill_attention`, the oracle), on random paged layouts.
 
-It is plain torch except in bfloat16 where the CPU has AMX tiles: there every group goes through
-our tile kernel (`csrc/amx_attention.cpp`, tested on its own in tests/test_amx_attention.py), and
-the bf16 tests below check it on paged layouts; elsewhere they check SDPA.
+It is plain torch except where our causal kernels take the groups: in bfloat16 where the CPU has
+AMX tiles our tile kernel (`csrc/amx_attention.cpp`, tested on its own in tests/test_amx_attention.py),
+and where the build has AVX-512 the fp32 kernel (`csrc/fp32_attention.cpp`, tests/test_fp32_attention.py)
+for fp32 groups, and for bfloat16 ones on upcast copies where there is no AMX (AMD Zen 4). The tests
+below check whichever runs on this machine on paged layouts; without either, SDPA.
 
 Tolerances, stated once:
 - float32 queries over a float32, int8 or fp8 cache: 2e-5 abs and rel (both run SDPA in fp32 over

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from engine.kernels import cpu, cpu_prefill
-from engine.model.panel_linear import kernel_available
+from engine.kernels import reference as ref
 from tests.helpers import CAUSAL_SHAPES, causal_inputs, causal_oracle
+from tests.test_triton_kernels import Paged, cu_seqlens, strided_q
 
-AVX512 = kernel_available()  # loads (and on a first run builds) the kernel extension
+AVX512 = cpu.says("fp32_attention_supported")  # loads (and on a first run builds) the kernel extension
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -106,3 +107,26 @@ def test_placement():
     if not AVX512:
         with pytest.raises(RuntimeError, match="AVX-512"):
             torch.ops.kvtop_cpu.fp32_causal_attention(*inputs(1, 4, 4, 2, 1, 64), 0.1)
+
+
+AMX = cpu.says("amx_supported")
+
+
+def test_bf16_without_amx_runs_on_upcast_copies_and_matches_the_reference():
+    """On AVX-512 without AMX (AMD Zen 4) the backend's bf16 prefill takes this kernel on fp32 copies
+    of q, K and V (7.4 ms a layer against SDPA's 12.5 in bf16 there); with AMX the tile kernel keeps
+    it, and without AVX-512 SDPA does. Whichever runs here, long chunks over a cached prefix give the
+    reference's output within bf16 rounding."""
+    q, _, _ = inputs(1, 4, 4, 2, 1, 64)
+    assert cpu_prefill._upcast_attention(q.bfloat16()) == (AVX512 and not AMX)
+    assert not cpu_prefill._upcast_attention(q)  # fp32 has its own route
+    assert not cpu_prefill._upcast_attention(inputs(1, 4, 4, 2, 1, 40)[0].bfloat16())
+
+    seqs = [(0, 300), (37, 100), (250, 64)]  # (cached prefix, new tokens): all past the short-chunk rule
+    lens = [p + n for p, n in seqs]
+    cache = Paged(lens, 16, 3, 64, dtype=torch.bfloat16, seed=8)
+    q = strided_q(sum(n for _, n in seqs), 9, 64, seed=9, dtype=torch.bfloat16)
+    args = (q, *cache.cache_args(), cache.block_tables, cu_seqlens([n for _, n in seqs]), cache.seq_lens, 0.125)
+    out = cpu.paged_prefill_attention(*args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.paged_prefill_attention(*args).float(), atol=2e-2, rtol=2e-2)

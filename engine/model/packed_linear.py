@@ -16,7 +16,7 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
 - `OneDNNLinear` otherwise (AVX-512 without AMX, or the extension missing): oneDNN's packed GEMM.
 
 fp32 is not packed with oneDNN by default (its packed fp32 measured slower end to end than MKL's
-sgemm); on AVX-512 its layers become `PanelLinear` instead (engine/model/panel_linear.py): the
+sgemm); on AVX-512 or AVX2 its layers become `PanelLinear` instead (engine/model/panel_linear.py): the
 weight packed in 48-column panels for our kernel (engine/kernels/csrc/fp32_gemm.cpp), any number
 of rows.
 
@@ -261,7 +261,7 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
     """Swap the model's four projections per layer and its logits matmul for packed layers, in
     place; False where packing does not apply, or (one log line, the model back to nn.Linear) fails.
     Each original goes as soon as its packed copy exists: loading never holds two copies.
-    fp32 gets PanelLinear instead where the CPU has AVX-512 (engine/model/panel_linear.py); that
+    fp32 gets PanelLinear instead where the CPU has AVX-512 or AVX2 (engine/model/panel_linear.py); that
     returns False too."""
     weight = model.embed_tokens.weight
     if not applies(weight):

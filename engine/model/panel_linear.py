@@ -1,6 +1,6 @@
 """fp32 linear layers on the CPU with their weight packed in column panels (issue #13).
 
-On AVX-512, a loaded fp32 model's four projections per layer and its logits matmul become
+On AVX-512, or AVX2 with FMA, a loaded fp32 model's four projections per layer and its logits matmul become
 `PanelLinear`: the weight packed once as panels of 48 output columns ([ceil(N/48), K, 48], one
 contiguous stream each, zero-padded), multiplied by our kernel (engine/kernels/csrc/fp32_gemm.cpp)
 for any number of rows. It replaces MKL's sgemm, which repacks the weight on every call and, at a
@@ -39,7 +39,7 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def kernel_available() -> bool:
-    """The kernel extension built here with its AVX-512 fp32 GEMM."""
+    """The kernel extension built here with its fp32 GEMM (AVX-512, or AVX2 with FMA)."""
     return cpu.says("fp32_linear_supported")
 
 
@@ -77,7 +77,7 @@ class PanelEmbedding(nn.Module):
 
 def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:
     """Swap an fp32 CPU model's projections and logits matmul for PanelLinear, in place, where the
-    kernel built here has AVX-512. Each original goes as soon as its panels exist (loading never holds
+    kernel built here has AVX-512 or AVX2. Each original goes as soon as its panels exist (loading never holds
     two copies); on any failure (one log line) the model is back on nn.Linear. True when swapped."""
     if not kernel_available():
         return False

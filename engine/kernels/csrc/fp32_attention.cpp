@@ -144,6 +144,14 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 }
 #endif  // __AVX512F__
 
+bool fp32_attention_supported() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor fp32_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
 #ifndef __AVX512F__
   TORCH_CHECK(false, "fp32_causal_attention: this build has no AVX-512");
@@ -166,5 +174,6 @@ at::Tensor fp32_causal_attention(const at::Tensor& q, const at::Tensor& k, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("fp32_attention_supported() -> bool", &fp32_attention_supported);
   m.def("fp32_causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &fp32_causal_attention);
 }

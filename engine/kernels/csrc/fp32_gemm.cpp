@@ -1,4 +1,4 @@
-// fp32 linear layers on AVX-512 over a weight packed in column panels (issue #13).
+// fp32 linear layers on AVX-512 or AVX2 over a weight packed in column panels (issue #13).
 //
 // Why: at a decode step's batch (16-64 rows) MKL's sgemm, which nn.Linear calls, repacks the weight
 // on every call and, the weight coming from DRAM, does not overlap that stream with its multiplies:
@@ -12,8 +12,9 @@
 // (tests/test_packed_linear.py), not bit for bit; but each output is one fixed sequence of FMAs, so
 // a row's result does not depend on how many rows the call has.
 //
-// Built where the target has AVX-512F (-march=native on such a CPU); elsewhere
-// `fp32_linear_supported()` is false and engine/model/panel_linear.py keeps nn.Linear.
+// Built where the target has AVX-512F, or AVX2 with FMA (-march=native: an AMD Zen 3 takes the AVX2
+// block below, 1.6x MKL's AVX2 sgemm at 64 rows); elsewhere `fp32_linear_supported()` is false and
+// engine/model/panel_linear.py keeps nn.Linear.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,77 +25,103 @@
 #include <cstdint>
 #include <optional>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define KVTOP_FP32_GEMM 1
 #include <immintrin.h>
+#include <cstring>
 #endif
 
 namespace {
 
-constexpr int64_t kNR = 48;  // output columns per panel: three vectors of 16
+constexpr int64_t kNR = 48;  // output columns per panel: three vectors of 16, or six of 8
 
+#ifdef KVTOP_FP32_GEMM
+// The one thing that differs between the two targets: the vector and how many rows a register
+// block holds. AVX-512 has 32 registers: 8 rows x 3 accumulators, 3 panel vectors, a broadcast.
+// AVX2 (AMD Zen 3, older Intel) has 16: 2 rows x 6 accumulators, one panel vector at a time, two
+// broadcasts — 8 loads per 12 FMAs, inside what both cores' load ports sustain from L1.
 #ifdef __AVX512F__
-constexpr int64_t kMR = 8;    // rows per register block: 8 x 3 accumulators
-constexpr int64_t kKC = 128;  // K per pass: the panel's 128 x 48 floats stay in L1 over the row blocks
-constexpr int64_t kMC = 64;    // rows per work item (its x rows stay in L2 across panels; 128 and 256 measured slower)
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int64_t kMR = 8;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int64_t kMR = 2;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int kVecs = kNR / kLanes;
+constexpr int64_t kKC = 128;  // K per pass: the panel's 128 x 48 floats (24 KiB) stay in L1 over the row blocks
+constexpr int64_t kMC = 64;   // rows per work item (its x rows stay in L2 across panels; 128 and 256 measured slower)
 
 // out[0..MR) x [0..48) = in (or the bias, or zero, where in is null) + a[0..MR) x [0, kc) . b (the
-// panel's slice). `in` is the item's contiguous buffer (row stride 48); `out` that buffer, or y (row
-// stride ldo) on K's last pass, where `masks` keep the valid columns of a short last panel.
+// panel's slice). `in` is the item's contiguous buffer (row stride 48), `out` that buffer or y (row
+// stride ldo); `bias` is 48 floats (a short last panel's padded with zeros).
 template <int MR>
 void block(const float* a, int64_t lda, const float* b, int64_t kc, const float* in, const float* bias, float* out,
-           int64_t ldo, const __mmask16 (&masks)[3], const char* pf, int64_t pf_lines) {
-  __m512 acc[MR][3];
-  for (int v = 0; v < 3; ++v) {
-    const __m512 init = bias ? _mm512_maskz_loadu_ps(masks[v], bias + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) acc[m][v] = in ? _mm512_loadu_ps(in + m * kNR + 16 * v) : init;
+           int64_t ldo, const char* pf, int64_t pf_lines) {
+  Vec acc[MR][kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    const Vec init = bias ? vload(bias + kLanes * v) : vzero();
+    for (int m = 0; m < MR; ++m) acc[m][v] = in ? vload(in + m * kNR + kLanes * v) : init;
   }
   const int64_t per = (pf_lines + kc - 1) / kc;  // prefetches per K step
   for (int64_t k = 0; k < kc; ++k) {
     for (int64_t j = k * per; j < std::min(pf_lines, (k + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
     const float* bk = b + k * kNR;
-    const __m512 b0 = _mm512_loadu_ps(bk), b1 = _mm512_loadu_ps(bk + 16), b2 = _mm512_loadu_ps(bk + 32);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 av = _mm512_set1_ps(a[m * lda + k]);
-      acc[m][0] = _mm512_fmadd_ps(av, b0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(av, b1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(av, b2, acc[m][2]);
+    if constexpr (kVecs == 3) {  // AVX-512: the panel's row in three registers, one broadcast at a time
+      const Vec b0 = vload(bk), b1 = vload(bk + kLanes), b2 = vload(bk + 2 * kLanes);
+      for (int m = 0; m < MR; ++m) {
+        const Vec av = vbroadcast(a[m * lda + k]);
+        acc[m][0] = vfma(av, b0, acc[m][0]);
+        acc[m][1] = vfma(av, b1, acc[m][1]);
+        acc[m][2] = vfma(av, b2, acc[m][2]);
+      }
+    } else {  // AVX2: every row's broadcast held, the panel's row one register at a time
+      Vec av[MR];
+      for (int m = 0; m < MR; ++m) av[m] = vbroadcast(a[m * lda + k]);
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec bv = vload(bk + kLanes * v);
+        for (int m = 0; m < MR; ++m) acc[m][v] = vfma(av[m], bv, acc[m][v]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < 3; ++v) _mm512_mask_storeu_ps(out + m * ldo + 16 * v, masks[v], acc[m][v]);
+    for (int v = 0; v < kVecs; ++v) vstore(out + m * ldo + kLanes * v, acc[m][v]);
 }
 
-void rows_block(int64_t mr, const float* a, int64_t lda, const float* b, int64_t kc, const float* in,
-                const float* bias, float* out, int64_t ldo, const __mmask16 (&masks)[3], const char* pf,
-                int64_t pf_lines) {
-  switch (mr) {
-    case 8: return block<8>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 7: return block<7>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 6: return block<6>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 5: return block<5>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 4: return block<4>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 3: return block<3>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    case 2: return block<2>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
-    default: return block<1>(a, lda, b, kc, in, bias, out, ldo, masks, pf, pf_lines);
+template <int MR>
+void block_or_smaller(int64_t mr, const float* a, int64_t lda, const float* b, int64_t kc, const float* in,
+                      const float* bias, float* out, int64_t ldo, const char* pf, int64_t pf_lines) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return block_or_smaller<MR - 1>(mr, a, lda, b, kc, in, bias, out, ldo, pf, pf_lines);
   }
+  block<MR>(a, lda, b, kc, in, bias, out, ldo, pf, pf_lines);
 }
 
 // One work item: rows [m0, m1) of x against panel p, all of K. Partial sums between K's passes live
 // in a contiguous buffer, not in y, whose rows (N floats apart: SmolLM2's 3,072 is 12 KiB) would all
-// fall in the same few cache sets.
+// fall in the same few cache sets. A short last panel's rows are written to the buffer, then their
+// valid columns copied out.
 void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const float* panel, int64_t n0, int64_t n,
                 const float* bias, float* y, const float* next) {
   alignas(64) float buf[kMC * kNR];
+  alignas(64) float padded_bias[kNR] = {};
   const int64_t cols = std::min(kNR, n - n0);
-  __mmask16 masks[3];
-  const __mmask16 all[3] = {0xffff, 0xffff, 0xffff};
-  for (int v = 0; v < 3; ++v) {
-    const int64_t valid = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-    masks[v] = static_cast<__mmask16>((1u << valid) - 1);
-  }
+  const bool whole = cols == kNR;
+  if (bias) std::memcpy(padded_bias, bias + n0, cols * sizeof(float));
   for (int64_t k0 = 0; k0 < k; k0 += kKC) {
     const int64_t kc = std::min(kKC, k - k0);
-    const bool last = k0 + kc >= k;
+    const bool last = k0 + kc >= k, to_y = last && whole;
     // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks: the
     // weights of a decode step come from DRAM, and with the hardware prefetcher alone SmolLM2's
     // linears at 64 rows took ~1.3x as long
@@ -104,21 +131,23 @@ void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const float* 
       const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
       const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
       float* slot = buf + (m - m0) * kNR;
-      if (last && m + kMR < m1) {  // the next block's output lines, for writing, while this one multiplies
+      if (to_y && m + kMR < m1) {  // the next block's output lines, for writing, while this one multiplies
         for (int64_t r = m + kMR; r < std::min(m1, m + 2 * kMR); ++r)
-          for (int64_t c = 0; c < cols; c += 16)
+          for (int64_t c = 0; c < kNR; c += 16)
             _mm_prefetch(reinterpret_cast<const char*>(y + r * n + n0 + c), _MM_HINT_ET0);
       }
-      rows_block(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
-                 (k0 == 0 && bias) ? bias + n0 : nullptr, last ? y + m * n + n0 : slot, last ? n : kNR,
-                 last ? masks : all, pf, std::min(share, lines - first_line));
+      block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc,
+                            k0 == 0 ? nullptr : slot, (k0 == 0 && bias) ? padded_bias : nullptr,
+                            to_y ? y + m * n + n0 : slot, to_y ? n : kNR, pf, std::min(share, lines - first_line));
     }
   }
+  if (!whole)
+    for (int64_t r = m0; r < m1; ++r) std::memcpy(y + r * n + n0, buf + (r - m0) * kNR, cols * sizeof(float));
 }
 #endif
 
 bool fp32_linear_supported() {
-#ifdef __AVX512F__
+#ifdef KVTOP_FP32_GEMM
   return true;
 #else
   return false;
@@ -127,8 +156,8 @@ bool fp32_linear_supported() {
 
 // x [..., K] fp32 @ W^T (+ bias [N]) -> [..., N] fp32, W packed as [ceil(N/48), K, 48].
 at::Tensor fp32_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
-#ifndef __AVX512F__
-  TORCH_CHECK(false, "fp32_gemm: this build has no AVX-512");
+#ifndef KVTOP_FP32_GEMM
+  TORCH_CHECK(false, "fp32_gemm: this build has neither AVX-512 nor AVX2 with FMA");
 #endif
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && !x.is_cuda() &&
                   !packed.is_cuda(),
@@ -147,7 +176,7 @@ at::Tensor fp32_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
-#ifdef __AVX512F__
+#ifdef KVTOP_FP32_GEMM
   if (m == 0) return out;
   const float* xp = x2.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
