@@ -45,8 +45,8 @@ timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel tests failed (exit $rc)"; status=1; }
 
-echo "== python benchmarks/kernels.py"
-timeout 200 "$py" benchmarks/kernels.py --time-budget 150 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+echo "== python benchmarks/triton_kernels.py"
+timeout 200 "$py" benchmarks/triton_kernels.py --time-budget 150 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel benchmark failed (exit $rc)"; status=1; }
 

@@ -165,3 +165,16 @@ def test_no_file_over_400_lines(tree):
 def test_no_function_over_60_lines_outside_the_kernels(tree):
     long = long_functions(tree)
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
+
+
+def test_no_benchmark_script_shadows_an_installed_module():
+    """A script run as `python benchmarks/x.py` puts benchmarks/ first on sys.path: a file there named
+    like an installed package is imported in its place by whatever imports that package (benchmarks/
+    kernels.py hid Hugging Face's `kernels`, which transformers 5 imports: every benchmark that loaded
+    transformers failed)."""
+    import importlib.util
+
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    assert "peers" in scripts  # the checks see the scripts
+    shadowing = [s for s in scripts if importlib.util.find_spec(s) is not None]
+    assert shadowing == [], f"benchmarks/ scripts named like installed modules: {shadowing}"

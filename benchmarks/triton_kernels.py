@@ -2,7 +2,7 @@
 torch SDPA over the same K/V gathered into contiguous tensors, and against the device's measured
 copy bandwidth.
 
-    python benchmarks/kernels.py [--json PATH] [--quick] [--time-budget S]
+    python benchmarks/triton_kernels.py [--json PATH] [--quick] [--time-budget S]
 
 Decode: batch {1, 16, 64, 256} x context {512, 4096, 32768}, bf16 queries, for SmolLM2-135M-like
 heads (9 q / 3 kv / head_dim 64) and Llama-3-8B-like heads (32 q / 8 kv / head_dim 128); the 16-bit
@@ -242,7 +242,7 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=240.0, help="seconds; later rows are skipped past it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py: needs a CUDA GPU and torch sees none; nothing was measured")
+        sys.exit("benchmarks/triton_kernels.py: needs a CUDA GPU and torch sees none; nothing was measured")
 
     from engine.kernels import triton as tk
 
