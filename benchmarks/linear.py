@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/linear.py --dtype float32 --rows 1,4,16
     .venv/bin/python benchmarks/linear.py --cold --rows 16,32,64,256   # weights from DRAM, as in the engine
 
-bf16: our AMX tile kernel (engine/kernels/csrc/amx_linear.cpp) against oneDNN's packed GEMM (what
+bf16: our AMX tile kernel (engine/kernels/csrc/amx_linear.cpp) where the CPU has AMX, else our bf16
+panel kernel (csrc/bf16_gemm.cpp) where it has AVX512-BF16, against oneDNN's packed GEMM (what
 `KVTOP_PACKED_LINEAR=onednn` uses). fp32: our panel kernel (csrc/fp32_gemm.cpp, the weights packed
 by engine/model/panel_linear.py) against `F.linear` (MKL's sgemm). The best of `--repeats` passes over all the layers; GB/s is the weights'
 bytes over that time (a decode step is bound by how fast they stream).
@@ -36,6 +37,10 @@ def onednn_linear(x, w):
 
 def amx_linear_for(name: str):
     return functools.partial(lambda x, w, n: torch.ops.kvtop_cpu.amx_linear(x, w, None, n), n=SHAPES[name][0])
+
+
+def bf16_gemm_for(name: str):
+    return functools.partial(lambda x, w, n: torch.ops.kvtop_cpu.bf16_gemm(x, w, None, n), n=SHAPES[name][0])
 
 
 def mkl_linear(x, w):
@@ -106,8 +111,9 @@ def main() -> None:
         cold_bf16([int(r) for r in args.rows.split(",")], args.repeats)
         return
     for dtype in args.dtype.split(","):
-        if dtype == "bfloat16" and not ops.amx_supported():
-            print("bfloat16: this CPU has no AMX (the engine uses oneDNN's packed GEMM)")
+        amx = ops.amx_supported()
+        if dtype == "bfloat16" and not (amx or ops.bf16_linear_supported()):
+            print("bfloat16: this CPU has neither AMX nor AVX512-BF16 (the engine uses oneDNN's packed GEMM)")
             continue
         if dtype == "float32" and not ops.fp32_linear_supported():
             print("float32: no AVX-512 in this build (the engine uses nn.Linear)")
@@ -119,16 +125,19 @@ def main() -> None:
         if dtype == "bfloat16":
             lib = "oneDNN packed"
             theirs = {n: [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws] for n, ws in layers.items()}
-            ours = {n: [_pack_tiles(w) for w in ws] for n, ws in layers.items()}
-
-            their_fn, our_fn_for = onednn_linear, amx_linear_for
+            pack = _pack_tiles if amx else pack_panels
+            ours = {n: [pack(w) for w in ws] for n, ws in layers.items()}
+            their_fn, our_fn_for = onednn_linear, amx_linear_for if amx else bf16_gemm_for
         else:
             lib, theirs = "MKL sgemm", layers
             ours = {n: [pack_panels(w) for w in ws] for n, ws in layers.items()}
             their_fn, our_fn_for = mkl_linear, fp32_gemm_for
 
         print(f"\n{dtype}: ours vs {lib}, SmolLM2-135M's linears ({nbytes / 2**20:.0f} MiB of weights)")
-        print(f"{'rows':>6} {lib + ' ms':>16} {'ours ms':>9} {'their GB/s':>11} {'our GB/s':>9} {'speedup':>8}")
+        flop = 2 * sum(w.numel() for ws in layers.values() for w in ws)  # per row
+        print(
+            f"{'rows':>6} {lib + ' ms':>16} {'ours ms':>9} {'their GB/s':>11} {'our GB/s':>9} {'our GF/s':>9} {'speedup':>8}"
+        )
         for rows in (int(r) for r in args.rows.split(",")):
             t_theirs = t_ours = 0.0
             for n in SHAPES:
@@ -136,7 +145,7 @@ def main() -> None:
                 t_theirs += best(their_fn, theirs[n], x, args.repeats)
                 t_ours += best(our_fn_for(n), ours[n], x, args.repeats)
             print(f"{rows:6d} {t_theirs * 1e3:16.2f} {t_ours * 1e3:9.2f} {nbytes / t_theirs / 1e9:11.1f} "
-                  f"{nbytes / t_ours / 1e9:9.1f} {t_theirs / t_ours:7.2f}x")  # fmt: skip
+                  f"{nbytes / t_ours / 1e9:9.1f} {flop * rows / t_ours / 1e9:9.0f} {t_theirs / t_ours:7.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

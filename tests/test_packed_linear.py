@@ -33,7 +33,9 @@ from tests.helpers import random_prompts
 BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # our AMX tile kernel: Sapphire Rapids and later, with the kernel extension built for this CPU
 AMX = amx_available()
-BF16_KIND = AMXLinear if AMX else OneDNNLinear if BF16_PACKS else nn.Linear
+# our bf16 panel kernel: AVX512-BF16 without AMX (AMD Zen 4), tests/test_bf16_panels.py
+BF16_PANELS = kernel_available(torch.bfloat16)
+BF16_KIND = AMXLinear if AMX else PanelLinear if BF16_PANELS else OneDNNLinear if BF16_PACKS else nn.Linear
 # fp32: on AVX-512 or AVX2 our panel kernel (engine/model/panel_linear.py), elsewhere nn.Linear (MKL's sgemm)
 PANELS = kernel_available()
 FP32_KIND = PanelLinear if PANELS else nn.Linear
@@ -79,7 +81,7 @@ def test_packed_layer_matches_nn_linear(dtype, rows, bias, monkeypatch):
     "shape", [(960, 576, True), (49152, 576, False), (100, 70, True), (576, 1536, False), (1000, 64, True)]
 )
 def test_the_bf16_layer_this_cpu_packs_matches_nn_linear(rows, shape, monkeypatch):
-    """AMX tiles where the CPU has them (else oneDNN's, else nn.Linear): within an ulp of nn.Linear for
+    """AMX tiles where the CPU has them (else our bf16 panels, else oneDNN's, else nn.Linear): within an ulp of nn.Linear for
     any row count, SmolLM2's shapes and ones that pad N and K, with and without a bias (each block's
     rows are written out while the next block multiplies: the last block, and a group's last block
     with its bias, too)."""
@@ -306,8 +308,9 @@ def test_tiled_embedding_reads_the_same_rows_as_the_dense_table(shape):
 
 
 def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
-    """Where the logits run on AMX tiles, the lookup reads those tiles: no dense [vocab, hidden] copy
-    is left (SmolLM2: 54 MiB). The tokens stay the unpacked model's: the bf16 greedy test above."""
+    """Where the logits run on AMX tiles or bf16 panels, the lookup reads those: no dense [vocab,
+    hidden] copy is left (SmolLM2: 54 MiB). The tokens stay the unpacked model's: the bf16 greedy
+    test above."""
     monkeypatch.delenv(ENV, raising=False)
     llm = LLM(str(tiny_models["smollm-tied"]), dtype="bfloat16", kv_cache_memory="2MiB", quiet=True)
     model = llm.engine.model
@@ -319,6 +322,8 @@ def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
     ]
     if AMX:
         assert type(model.embed_tokens) is TiledEmbedding and dense == []
+    elif BF16_PANELS:
+        assert type(model.embed_tokens) is PanelEmbedding and dense == []
     elif BF16_PACKS:  # oneDNN's packed head cannot be read by rows: the lookup keeps the dense table
         assert dense == ["embed_tokens.weight", "logits_head.weight"]  # held twice (docs/engine.md)
     else:  # nn.Linear everywhere: one table serves the lookup and the logits

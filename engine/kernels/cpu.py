@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "amx_linear.cpp",
     CSRC / "amx_attention.cpp",
     CSRC / "fp32_gemm.cpp",
+    CSRC / "bf16_gemm.cpp",
     CSRC / "fp32_attention.cpp",
     CSRC / "decode_layers.cpp",
 ]

@@ -34,6 +34,8 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
         return 0, module.weight, module.bias_fp32
     if isinstance(module, pl.OneDNNLinear):
         return 1, module.weight, module.bias
+    if isinstance(module, PanelLinear) and module.weight.dim() == 4:  # bf16 pairs, the bias in fp32
+        return 5, module.weight, module.bias_fp32
     if isinstance(module, PanelLinear):
         return 2, module.weight, module.bias
     if type(module) is nn.Linear:

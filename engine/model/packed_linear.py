@@ -13,7 +13,10 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
   SiLU-and-mul in the kernel's epilogue. The weight in its tile layout; where
   `large_gemm_copy` allows, also oneDNN's packed copy, which takes inputs of LARGE_ROWS rows and
   more (long prefill steps, where it measured faster end to end).
-- `OneDNNLinear` otherwise (AVX-512 without AMX, or the extension missing): oneDNN's packed GEMM.
+- `PanelLinear` (engine/model/panel_linear.py) on AVX512-BF16 without AMX (AMD Zen 4): our
+  panel kernel (engine/kernels/csrc/bf16_gemm.cpp), 1.2-1.5x oneDNN at a decode step's 1-16 rows,
+  about even from 64; a tied embedding reads its rows from the head's panels.
+- `OneDNNLinear` otherwise (AVX-512 without BF16 or AMX, or the extension missing): oneDNN's packed GEMM.
 
 fp32 is not packed with oneDNN by default (its packed fp32 measured slower end to end than MKL's
 sgemm); on AVX-512 or AVX2 its layers become `PanelLinear` instead (engine/model/panel_linear.py): the
@@ -21,7 +24,7 @@ weight packed in 48-column panels for our kernel (engine/kernels/csrc/fp32_gemm.
 of rows.
 
 `KVTOP_PACKED_LINEAR=0` turns packing (and the fp32 panels) off, `=onednn` uses oneDNN's even where
-AMX is there, and `=all` packs fp32 with oneDNN too, to compare (slower end to end: see packed_dtypes).
+AMX or the bf16 panels are there, and `=all` packs fp32 with oneDNN too, to compare (slower end to end: see packed_dtypes).
 
 The packed op is oneDNN's (`torch.ops.mkldnn`): its packed weight replaces the original (no second
 copy; `weight.to_dense()` reads it back), and it is right for any number of rows, the batch size
@@ -42,7 +45,7 @@ from torch import nn
 from engine.config import format_bytes
 from engine.kernels import cpu
 from engine.log import log
-from engine.model.panel_linear import to_panels
+from engine.model.panel_linear import PanelEmbedding, PanelLinear, fits, kernel_available, to_panels, unpanelled
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ENV = "KVTOP_PACKED_LINEAR"
@@ -194,13 +197,19 @@ class TiledEmbedding(nn.Module):
 def packed_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, large: bool = False, gate_up: bool = False
 ) -> nn.Module:
-    """The packed layer for this weight: AMX where the CPU has it (unless KVTOP_PACKED_LINEAR=onednn),
-    else oneDNN's. `large`: an AMX layer also holds oneDNN's copy for prefill-sized inputs; `gate_up`:
-    an MLP's gate/up weight, on AMX an AMXGateUp where it fits."""
-    if weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn" and amx_available():
+    """The packed layer for this weight: AMX where the CPU has it, else our bf16 panels where it has
+    AVX512-BF16 (neither with KVTOP_PACKED_LINEAR=onednn), else oneDNN's. `large`: an AMX layer also
+    holds oneDNN's copy for prefill-sized inputs; `gate_up`: an MLP's gate/up weight, on AMX an
+    AMXGateUp where it fits."""
+    ours = weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn"
+    if ours and amx_available():
         if gate_up and AMXGateUp.fits(weight):
             return AMXGateUp(weight, bias, large=large)
         return AMXLinear(weight, bias, large=large)
+    if ours and fits(weight) and kernel_available(weight.dtype):
+        layer = PanelLinear(weight, bias)
+        layer(weight.new_zeros(1, layer.in_features))  # an op that fails here fails at load, not mid-step
+        return layer
     return OneDNNLinear(weight, bias, batch_hint)
 
 
@@ -246,8 +255,10 @@ def prefill_copy_note(weights_bytes: int, copy_bytes: int) -> str:
     )
 
 
-def unpacked(layer: OneDNNLinear | AMXLinear) -> nn.Linear:
+def unpacked(layer: OneDNNLinear | AMXLinear | PanelLinear) -> nn.Linear:
     """The plain nn.Linear a packed layer came from (same weight and bias)."""
+    if isinstance(layer, PanelLinear):
+        return unpanelled(layer)
     linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
     dense = layer.dense_weight() if isinstance(layer, AMXLinear) else layer.weight.to_dense()
     linear.weight = nn.Parameter(dense, requires_grad=False)
@@ -291,4 +302,6 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
         return False
     if model.lm_head is None and isinstance(model.logits_head, AMXLinear):
         model.embed_tokens = TiledEmbedding(model.logits_head)  # the lookup reads the tiles: one copy
+    elif model.lm_head is None and isinstance(model.logits_head, PanelLinear):
+        model.embed_tokens = PanelEmbedding(model.logits_head)  # the lookup reads the panels: one copy
     return True

@@ -1,16 +1,22 @@
-"""fp32 linear layers on the CPU with their weight packed in column panels (issue #13).
+"""Linear layers on the CPU with their weight packed in column panels (issue #13).
 
-On AVX-512, or AVX2 with FMA, a loaded fp32 model's four projections per layer and its logits matmul become
-`PanelLinear`: the weight packed once as panels of 48 output columns ([ceil(N/48), K, 48], one
-contiguous stream each, zero-padded), multiplied by our kernel (engine/kernels/csrc/fp32_gemm.cpp)
-for any number of rows. It replaces MKL's sgemm, which repacks the weight on every call and, at a
-decode step's 16-64 rows with the weights coming from DRAM, left the FMA units idle while they
-streamed: SmolLM2-135M's linears (benchmarks/linear.py --dtype float32) 1.5-1.7x faster at 4-16
-rows, 1.35-1.4x at 64, even from 256 rows to a 2,048-token prefill, 0.9-1.0x at one row (MKL's
-GEMV) (benchmarks/README.md, "Tenth pass"). The panels replace the original (one copy); a tied
-embedding looks its rows up in the head's panels.
+fp32, on AVX-512 or AVX2 with FMA: a loaded fp32 model's four projections per layer and its logits
+matmul become `PanelLinear`: the weight packed once as panels of 48 output columns ([ceil(N/48), K,
+48], one contiguous stream each, zero-padded), multiplied by our kernel
+(engine/kernels/csrc/fp32_gemm.cpp) for any number of rows. It replaces MKL's sgemm, which repacks
+the weight on every call and, at a decode step's 16-64 rows with the weights coming from DRAM, left
+the FMA units idle while they streamed: SmolLM2-135M's linears (benchmarks/linear.py --dtype
+float32) 1.5-1.7x faster at 4-16 rows, 1.35-1.4x at 64, even from 256 rows to a 2,048-token
+prefill, 0.9-1.0x at one row (MKL's GEMV) (benchmarks/README.md, "Tenth pass").
 
-`KVTOP_PACKED_LINEAR=0` keeps nn.Linear (MKL's sgemm), as it does for bf16.
+bf16, on AVX512-BF16 without AMX (AMD Zen 4): the same panels with K in pairs ([ceil(N/48), K/2,
+48, 2], VDPBF16PS's operand), engine/kernels/csrc/bf16_gemm.cpp, in place of oneDNN's packed GEMM
+(`packed_linear.packed_linear` chooses; AMX, where the CPU has it, comes first): 1.2-1.5x oneDNN at
+1-16 rows, about even from 64 (both near the two cores' VDPBF16PS peak) (benchmarks/README.md,
+"Twelfth pass").
+
+The panels replace the original (one copy); a tied embedding looks its rows up in the head's
+panels. `KVTOP_PACKED_LINEAR=0` keeps nn.Linear; `=onednn` keeps oneDNN's for bf16.
 """
 
 from __future__ import annotations
@@ -22,38 +28,57 @@ from torch import nn
 from engine.kernels import cpu
 from engine.log import log
 
-PANEL = 48  # output columns per panel (csrc/fp32_gemm.cpp's kNR)
+PANEL = 48  # output columns per panel (csrc/fp32_gemm.cpp's and csrc/bf16_gemm.cpp's kNR)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """The dense [N, K] weight as [ceil(N/48), K, 48]: panel p, row k holds W[48p : 48p + 48, k]."""
+    """The dense [N, K] weight as panels of 48 columns. fp32: [ceil(N/48), K, 48], panel p row k
+    holds W[48p : 48p + 48, k]; bf16: [ceil(N/48), K/2, 48, 2], row j holds the pairs W[48p + c, 2j : 2j + 2]."""
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    if weight.dtype == torch.bfloat16:
+        return padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """`pack_panels` undone: the dense [N, K] weight."""
-    count, k, _ = panels.shape
+    count, rows = panels.shape[:2]
+    k = rows * 2 if panels.dim() == 4 else rows
     return panels.transpose(1, 2).reshape(count * PANEL, k)[:out_features].contiguous()
 
 
-def kernel_available() -> bool:
-    """The kernel extension built here with its fp32 GEMM (AVX-512, or AVX2 with FMA)."""
-    return cpu.says("fp32_linear_supported")
+def kernel_available(dtype: torch.dtype = torch.float32) -> bool:
+    """The kernel extension built here with the panel GEMM for this dtype: fp32 on AVX-512 or AVX2
+    with FMA, bf16 on AVX512-BF16."""
+    if dtype == torch.bfloat16:
+        return cpu.says("bf16_linear_supported")
+    return dtype == torch.float32 and cpu.says("fp32_linear_supported")
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """A weight the panel kernel takes: fp32, or bf16 with K even (pairs)."""
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
 
 
 class PanelLinear(nn.Module):
-    """fp32 linear on the panel kernel: `weight` holds the panels (same bytes as the original up to
-    padding N to 48); `dense_weight()` reads the original back."""
+    """fp32 or bf16 linear on the panel kernel: `weight` holds the panels (same bytes as the original
+    up to padding N to 48); `dense_weight()` reads the original back. bf16 adds its bias in fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
+        if not fits(weight):
+            raise TypeError(f"no panel kernel for a {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}] weight")
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(pack_panels(weight), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # the bf16 kernel adds the bias in fp32: converted once here, not on every call
+        bf16_bias = bias is not None and weight.dtype == torch.bfloat16
+        self.register_buffer("bias_fp32", bias.detach().float() if bf16_bias else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 4:  # bf16 pairs
+            return torch.ops.kvtop_cpu.bf16_gemm(x, self.weight, self.bias_fp32, self.out_features)
         return torch.ops.kvtop_cpu.fp32_gemm(x, self.weight, self.bias, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
@@ -71,8 +96,8 @@ class PanelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.reshape(-1)
-        rows = self.head.weight[n // PANEL, :, n % PANEL]  # [ids, K]
-        return rows.view(*ids.shape, self.embedding_dim)
+        rows = self.head.weight[n // PANEL, :, n % PANEL]  # [ids, K] (bf16: [ids, K/2, 2])
+        return rows.reshape(*ids.shape, self.embedding_dim)
 
 
 def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:

@@ -12,8 +12,9 @@
 // or bfloat16, a KV cache of the model's own dtype, the `cpu` attention backend. Each projection is
 // one of these kinds, the layer classes of engine/model/packed_linear.py:
 //   0 AMXLinear (amx_linear on the tile layout, an fp32 bias), 1 OneDNNLinear (oneDNN's packed GEMM),
-//   2 PanelLinear (fp32_gemm on the fp32 panel layout),
-//   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue).
+//   2 PanelLinear in fp32 (fp32_gemm on the fp32 panel layout),
+//   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue),
+//   5 PanelLinear in bf16 (bf16_gemm on the bf16 panel layout, an fp32 bias).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -66,6 +67,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       fp32 = op("kvtop_cpu::fp32_gemm")
                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
+      bf16 = op("kvtop_cpu::bf16_gemm")
+                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
 };
 
 const Ops& ops() {
@@ -94,6 +98,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     case 1: return onednn_linear(x, w, bias);
     case 2: return ops().fp32.call(x, w, bias, n);
     case 3: return at::linear(x, w, bias);
+    case 5: return ops().bf16.call(x, w, bias, n);
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
 }

@@ -1,0 +1,185 @@
+// bf16 linear layers on AVX512-BF16 without AMX (AMD Zen 4 and later) over a weight packed in column
+// panels (issue #13).
+//
+// Why: on a CPU with AVX512_BF16 but no AMX tiles, bf16 linears ran on oneDNN's packed GEMM, which at
+// a decode step's 16-64 rows reached ~310 GFLOP/s on a 2-core Zen 4 — about half of what the two cores'
+// VDPBF16PS (16 lanes x a pair of products per instruction) allow — and a 64-sequence decode step
+// spent ~55 of its ~90 ms there. This kernel is csrc/fp32_gemm.cpp's design in bf16: the weight packed
+// once as panels of 48 output columns, K in pairs ([ceil(N/48), K/2, 48, 2], zero-padded: one
+// contiguous stream per panel), an 8-row x 48-column block of 24 fp32 accumulators, each step a
+// pair of x's values broadcast as one 32-bit lane against three vectors of the panel's pairs
+// (VDPBF16PS: acc += x[k] w[k] + x[k+1] w[k+1], products exact, sums in fp32). K runs in passes of
+// kKC; partial sums stay in fp32 in a contiguous buffer, the output is rounded to bf16 once, as
+// c10 rounds (nearest even). Sums run in another order than oneDNN's: results agree to bf16
+// rounding of the same fp32 sum (tests/test_packed_linear.py), not bit for bit; each output is one
+// fixed sequence of operations, so a row's result does not depend on how many rows the call has.
+//
+// Built where the target has AVX512_BF16; elsewhere `bf16_linear_supported()` is false and
+// engine/model/packed_linear.py keeps oneDNN's (or AMX where the CPU has it: AMX comes first).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVTOP_BF16_GEMM 1
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "bf16_simd.h"
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 48;  // output columns per panel: three vectors of 16 fp32 accumulators
+
+#ifdef KVTOP_BF16_GEMM
+constexpr int64_t kMR = 8;    // rows per register block: 24 accumulators, 3 panel vectors, a broadcast
+constexpr int64_t kKC = 256;  // K per pass (128 pairs): the panel's slice, 24 KiB, stays in L1 over the row blocks
+constexpr int64_t kMC = 64;   // rows per work item
+
+// out[0..MR) x [0..48) = in (or the bias, or zero, where in is null) + a[0..MR) x [0, kc) . b, fp32.
+// a: bf16 rows (stride lda elements), read as 32-bit pairs; b: the panel's slice, kc/2 rows of 48
+// pairs. `in`/`out`: the item's fp32 buffer (row stride 48). On the last pass `y` (bf16, row stride
+// ldy) takes the rounded result instead of `out`, when `y` is set.
+template <int MR>
+void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, const float* in, const float* bias,
+           float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines) {
+  __m512 acc[MR][3];
+  for (int v = 0; v < 3; ++v) {
+    const __m512 init = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][v] = in ? _mm512_loadu_ps(in + m * kNR + 16 * v) : init;
+  }
+  const int64_t pairs = kc / 2, per = (pf_lines + pairs - 1) / std::max<int64_t>(pairs, 1);
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    for (int64_t j = kk * per; j < std::min(pf_lines, (kk + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+    const uint16_t* bk = b + kk * 2 * kNR;
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 32));
+    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 64));
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, a + m * lda + 2 * kk, sizeof(pair));
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], av, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], av, b1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], av, b2);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 3; ++v) {
+      if (y)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + 16 * v), kvtop_simd::bf16_pack(acc[m][v]));
+      else
+        _mm512_storeu_ps(out + m * kNR + 16 * v, acc[m][v]);
+    }
+}
+
+template <int MR>
+void block_or_smaller(int64_t mr, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, const float* in,
+                      const float* bias, float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return block_or_smaller<MR - 1>(mr, a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
+  }
+  block<MR>(a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
+}
+
+// One work item: rows [m0, m1) of x against panel p, all of K (fp32_gemm.cpp's panel_item). A short
+// last panel's rows end in the fp32 buffer; their valid columns are rounded into y from there.
+void panel_item(const uint16_t* x, int64_t m0, int64_t m1, int64_t k, const uint16_t* panel, int64_t n0, int64_t n,
+                const float* bias, uint16_t* y, const uint16_t* next) {
+  alignas(64) float buf[kMC * kNR];
+  alignas(64) float padded_bias[kNR] = {};
+  const int64_t cols = std::min(kNR, n - n0);
+  const bool whole = cols == kNR;
+  if (bias) std::memcpy(padded_bias, bias + n0, cols * sizeof(float));
+  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+    const int64_t kc = std::min(kKC, k - k0);
+    const bool to_y = k0 + kc >= k && whole;
+    // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks
+    const int64_t blocks = (m1 - m0 + kMR - 1) / kMR, lines = next ? kc * kNR * 2 / 64 : 0;
+    const int64_t share = (lines + blocks - 1) / blocks;
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
+      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
+      float* slot = buf + (m - m0) * kNR;
+      block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
+                            (k0 == 0 && bias) ? padded_bias : nullptr, slot, to_y ? y + m * n + n0 : nullptr, n, pf,
+                            std::min(share, lines - first_line));
+    }
+  }
+  if (!whole) {
+    alignas(64) uint16_t row[kNR];
+    for (int64_t r = m0; r < m1; ++r) {
+      for (int v = 0; v < 3; ++v)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * v),
+                           kvtop_simd::bf16_pack(_mm512_load_ps(buf + (r - m0) * kNR + 16 * v)));
+      std::memcpy(y + r * n + n0, row, cols * sizeof(uint16_t));
+    }
+  }
+}
+#endif
+
+bool bf16_linear_supported() {
+#ifdef KVTOP_BF16_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [..., K] bf16 @ W^T (+ bias [N], fp32) -> [..., N] bf16, W packed as [ceil(N/48), K/2, 48, 2].
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+#ifndef KVTOP_BF16_GEMM
+  TORCH_CHECK(false, "bf16_gemm: this build has no AVX512_BF16");
+#endif
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && !x.is_cuda() &&
+                  !packed.is_cuda(),
+              "bf16_gemm: bfloat16 CPU tensors expected");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kNR && packed.size(3) == 2 &&
+                  x.size(-1) == 2 * packed.size(1),
+              "bf16_gemm: the weight must be packed as a contiguous [ceil(N/48), K/2, 48, 2] with x's last dim as K");
+  TORCH_CHECK(n > 0 && (n + kNR - 1) / kNR == packed.size(0) && packed.size(1) > 0,
+              "bf16_gemm: n does not match the packed weight, or K is 0");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bf16_gemm: bias must be a contiguous float32 [N]");
+  }
+  const int64_t k = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+#ifdef KVTOP_BF16_GEMM
+  if (m == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t panels = packed.size(0), chunks = (m + kMC - 1) / kMC;
+  // item i: row chunk i / panels, panel i % panels; a thread's run of items shares its x rows
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t chunk = i / panels, p = i % panels;
+      const int64_t m0 = chunk * kMC, m1 = std::min(m, m0 + kMC);
+      const uint16_t* next = p + 1 < panels ? wp + (p + 1) * k * kNR : nullptr;
+      panel_item(xp, m0, m1, k, wp + p * k * kNR, p * kNR, n, bp, yp, next);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("bf16_linear_supported() -> bool", &bf16_linear_supported);
+  m.def("bf16_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &bf16_gemm);
+}
