@@ -14,7 +14,7 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
   `large_gemm_copy` allows, also oneDNN's packed copy, which takes inputs of LARGE_ROWS rows and
   more (long prefill steps, where it measured faster end to end).
 - `PanelLinear` (engine/model/panel_linear.py) on AVX512-BF16 without AMX (AMD Zen 4): our
-  panel kernel (engine/kernels/csrc/bf16_gemm.cpp), 1.2-1.5x oneDNN at a decode step's 1-16 rows,
+  panel kernel (engine/kernels/csrc/bf16_gemm.cpp), 1.3-1.6x oneDNN at a decode step's 1-16 rows,
   about even from 64; a tied embedding reads its rows from the head's panels.
 - `OneDNNLinear` otherwise (AVX-512 without BF16 or AMX, or the extension missing): oneDNN's packed GEMM.
 

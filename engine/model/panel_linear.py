@@ -11,7 +11,7 @@ prefill, 0.9-1.0x at one row (MKL's GEMV) (benchmarks/README.md, "Tenth pass").
 
 bf16, on AVX512-BF16 without AMX (AMD Zen 4): the same panels with K in pairs ([ceil(N/48), K/2,
 48, 2], VDPBF16PS's operand), engine/kernels/csrc/bf16_gemm.cpp, in place of oneDNN's packed GEMM
-(`packed_linear.packed_linear` chooses; AMX, where the CPU has it, comes first): 1.2-1.5x oneDNN at
+(`packed_linear.packed_linear` chooses; AMX, where the CPU has it, comes first): 1.3-1.6x oneDNN at
 1-16 rows, about even from 64 (both near the two cores' VDPBF16PS peak) (benchmarks/README.md,
 "Twelfth pass").
 

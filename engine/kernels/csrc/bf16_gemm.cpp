@@ -1,18 +1,20 @@
 // bf16 linear layers on AVX512-BF16 without AMX (AMD Zen 4 and later) over a weight packed in column
 // panels (issue #13).
 //
-// Why: on a CPU with AVX512_BF16 but no AMX tiles, bf16 linears ran on oneDNN's packed GEMM, which at
-// a decode step's 16-64 rows reached ~310 GFLOP/s on a 2-core Zen 4 — about half of what the two cores'
-// VDPBF16PS (16 lanes x a pair of products per instruction) allow — and a 64-sequence decode step
-// spent ~55 of its ~90 ms there. This kernel is csrc/fp32_gemm.cpp's design in bf16: the weight packed
-// once as panels of 48 output columns, K in pairs ([ceil(N/48), K/2, 48, 2], zero-padded: one
-// contiguous stream per panel), an 8-row x 48-column block of 24 fp32 accumulators, each step a
-// pair of x's values broadcast as one 32-bit lane against three vectors of the panel's pairs
-// (VDPBF16PS: acc += x[k] w[k] + x[k+1] w[k+1], products exact, sums in fp32). K runs in passes of
-// kKC; partial sums stay in fp32 in a contiguous buffer, the output is rounded to bf16 once, as
-// c10 rounds (nearest even). Sums run in another order than oneDNN's: results agree to bf16
-// rounding of the same fp32 sum (tests/test_packed_linear.py), not bit for bit; each output is one
-// fixed sequence of operations, so a row's result does not depend on how many rows the call has.
+// Why: on a CPU with AVX512_BF16 but no AMX tiles, bf16 linears ran on oneDNN's packed GEMM, which
+// at a decode step's 1-16 rows streamed the weights at 14-18 GB/s on a 2-core Zen 4 and a 64-sequence
+// decode step spent ~55 of its ~90 ms there. This kernel is csrc/fp32_gemm.cpp's design in bf16: the
+// weight packed once as panels of 48 output columns, K in pairs ([ceil(N/48), K/2, 48, 2],
+// zero-padded: one contiguous stream per panel), an 8-row x 48-column block of 24 fp32 accumulators,
+// each step a pair of x's values broadcast as one 32-bit lane against three vectors of the panel's
+// pairs (VDPBF16PS: acc += x[k] w[k] + x[k+1] w[k+1], products exact, sums in fp32). K runs in passes
+// of kKC; partial sums stay in fp32 in a contiguous buffer, the output is rounded to bf16 once, as
+// c10 rounds (nearest even). SmolLM2's linears against oneDNN's: 1.5-1.6x at 1-4 rows, 1.3x at 16,
+// 1.1x at 64, 0.92-0.95x from 256 rows, where both are near the cores' VDPBF16PS peak (one 512-bit
+// instruction a cycle: ~410 GFLOP/s on two cores; ours ~390) (benchmarks/README.md, "Twelfth pass").
+// Sums run in another order than oneDNN's: results agree to one bf16 rounding of the exact product
+// (tests/test_bf16_panels.py), not bit for bit; each output is one fixed sequence of operations, so
+// a row's result does not depend on how many rows the call has.
 //
 // Built where the target has AVX512_BF16; elsewhere `bf16_linear_supported()` is false and
 // engine/model/packed_linear.py keeps oneDNN's (or AMX where the CPU has it: AMX comes first).
