@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "panel_gemm.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define KVTOP_FP32_GEMM 1
 #include <immintrin.h>
@@ -33,7 +35,7 @@
 
 namespace {
 
-constexpr int64_t kNR = 48;  // output columns per panel: three vectors of 16, or six of 8
+constexpr int64_t kNR = kvtop_panels::kPanel;  // output columns per panel: three vectors of 16, or six of 8
 
 #ifdef KVTOP_FP32_GEMM
 // The one thing that differs between the two targets: the vector and how many rows a register
@@ -164,33 +166,21 @@ at::Tensor fp32_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
               "fp32_gemm: float32 CPU tensors expected");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kNR && x.size(-1) == packed.size(1),
               "fp32_gemm: the weight must be packed as a contiguous [ceil(N/48), K, 48] with x's last dim as K");
-  TORCH_CHECK(n > 0 && (n + kNR - 1) / kNR == packed.size(0) && packed.size(1) > 0,
-              "fp32_gemm: n does not match the packed weight, or K is 0");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "fp32_gemm: bias must be a contiguous float32 [N]");
-  }
+  kvtop_panels::check_n_and_bias(packed, n, bias, "fp32_gemm");
   const int64_t k = packed.size(1);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor out = kvtop_panels::output_for(x, n);
 #ifdef KVTOP_FP32_GEMM
   if (m == 0) return out;
   const float* xp = x2.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
-  const int64_t panels = packed.size(0), chunks = (m + kMC - 1) / kMC;
-  // item i: row chunk i / panels, panel i % panels; a thread's run of items shares its x rows
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t chunk = i / panels, p = i % panels;
-      const int64_t m0 = chunk * kMC, m1 = std::min(m, m0 + kMC);
-      const float* next = p + 1 < panels ? wp + (p + 1) * k * kNR : nullptr;
-      panel_item(xp, m0, m1, k, wp + p * k * kNR, p * kNR, n, bp, yp, next);
-    }
+  const int64_t panels = packed.size(0);
+  kvtop_panels::for_each_item(m, panels, kMC, [&](int64_t m0, int64_t m1, int64_t p) {
+    const float* next = p + 1 < panels ? wp + (p + 1) * k * kNR : nullptr;
+    panel_item(xp, m0, m1, k, wp + p * k * kNR, p * kNR, n, bp, yp, next);
   });
 #endif
   return out;
