@@ -1,9 +1,10 @@
-"""Prefill attention on the CPU, one layer, three ways over the same paged cache, in one process:
+"""Prefill attention on the CPU, one layer, four ways over the same paged cache, in one process:
 the reference (gather every sequence padded to the longest + a mask + SDPA: the cpu backend's long
 chunks before), the C++ in-place kernel (`cpu.inplace_prefill_attention`, the backend's chunks of
-at most SHORT_CHUNK new tokens) and the SDPA path (`cpu_prefill.sdpa_prefill_attention`, the
-backend's longer chunks now), and the backend itself (`cpu.paged_prefill_attention`, which
-picks one of the last two).
+at most SHORT_CHUNK new tokens), the SDPA path (`cpu_prefill.sdpa_prefill_attention`: per shape,
+SDPA or our causal kernels on gathered K/V), the bf16-pairs op (`csrc/bf16_attention.cpp`, bf16
+where the build has AVX512-BF16: one call, K/V read in place), and the backend itself
+(`cpu.paged_prefill_attention`, which picks one of them).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_prefill.py [--repeats 3] [--runs 3]
 
@@ -41,6 +42,7 @@ WAYS = {
     "reference": ref.paged_prefill_attention,
     "in-place C++": cpu.inplace_prefill_attention,
     "SDPA path": sdpa_prefill_attention,
+    "bf16 pairs": lambda *a: torch.ops.kvtop_cpu.bf16_paged_prefill(*a),  # bf16 on AVX512-BF16 only
     "cpu backend": cpu.paged_prefill_attention,  # SHORT_CHUNK and `sdpa_pays` pick one of the two
 }
 
@@ -87,6 +89,8 @@ def main() -> None:
     for _ in range(args.runs):
         for key, case in cases.items():
             for way, fn in WAYS.items():
+                if not applies(way, key[0]):
+                    continue
                 ms = best_ms(lambda fn=fn, case=case: fn(*case), args.repeats)
                 best[(*key, way)] = min(best.get((*key, way), ms), ms)
     print(f"{torch.get_num_threads()} thread(s), CPU ms per layer call, best of {args.runs} x {args.repeats}")
@@ -94,9 +98,15 @@ def main() -> None:
     print(f"|---|---|{'---:|' * (len(WAYS) + 2)}")
     for (dtype, name), case in cases.items():
         err = (cpu.paged_prefill_attention(*case).float() - ref.paged_prefill_attention(*case).float()).abs().max()
-        cells = [best[(dtype, name, way)] for way in WAYS]
+        cells = [best.get((dtype, name, way)) for way in WAYS]
         ratio = cells[0] / cells[-1]  # the path before over the backend now
-        print(f"| {str(dtype)[6:]} | {name} | {' | '.join(f'{c:.2f}' for c in cells)} | {ratio:.2f}x | {err:.1e} |")
+        shown = " | ".join("–" if c is None else f"{c:.2f}" for c in cells)
+        print(f"| {str(dtype)[6:]} | {name} | {shown} | {ratio:.2f}x | {err:.1e} |")
+
+
+def applies(way: str, dtype: torch.dtype) -> bool:
+    """The bf16-pairs op takes bf16 only, and only where the build has AVX512-BF16."""
+    return way != "bf16 pairs" or (dtype == torch.bfloat16 and cpu.says("bf16_attention_supported"))
 
 
 if __name__ == "__main__":

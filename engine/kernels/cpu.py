@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import reference
-from engine.kernels.cpu_prefill import sdpa_pays, sdpa_prefill_attention
+from engine.kernels.cpu_prefill import bf16_pairs_pay, sdpa_pays, sdpa_prefill_attention
 from engine.log import log
 from engine.paths import cache_dir
 
@@ -39,6 +39,7 @@ SOURCES = [
     CSRC / "fp32_gemm.cpp",
     CSRC / "bf16_gemm.cpp",
     CSRC / "fp32_attention.cpp",
+    CSRC / "bf16_attention.cpp",
     CSRC / "decode_layers.cpp",
 ]
 HEADERS = [
@@ -184,7 +185,9 @@ inplace_prefill_attention = _cpp_kernel("paged_prefill", reference.paged_prefill
 # SmolLM2 heads, in-place vs SDPA: 4 seqs over 256 cached x 8 new 0.59 vs 0.81 (bf16 0.64 vs
 # 0.61), x 12 new 1.13 vs 0.80 (0.90 vs 0.66); 16 seqs over 100..500 cached x 8 new 3.30 vs 4.00,
 # x 16 new 5.96 vs 4.95; 1 x 2,048 new 133 vs 51 (bf16 142 vs 22). Longer chunks still stay in
-# place when SDPA would need a launch for each of many small shapes (`cpu_prefill.sdpa_pays`).
+# place when SDPA would need a launch for each of many small shapes (`cpu_prefill.sdpa_pays`). In
+# bf16 on AVX512-BF16 without AMX (AMD Zen 4) long chunks go to `csrc/bf16_attention.cpp` instead,
+# whatever their shapes: one call, no gather (`cpu_prefill.bf16_pairs_pay`).
 SHORT_CHUNK = 8
 _PREFILL = inspect.signature(reference.paged_prefill_attention)
 
@@ -192,13 +195,14 @@ _PREFILL = inspect.signature(reference.paged_prefill_attention)
 @functools.wraps(reference.paged_prefill_attention)
 def paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
     # the model passes every argument by position: no bind (0.1 ms) on that path
-    if len(args) > 5:
-        cu, lens = args[4], args[5]
-    else:
-        bound = _PREFILL.bind(*args, **kwargs).arguments
-        cu, lens = bound["cu_seqlens_q"], bound["seq_lens"]
-    if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK and sdpa_pays(cu, lens):
-        return sdpa_prefill_attention(*args, **kwargs)
+    a = args if len(args) > 6 and not kwargs else tuple(_PREFILL.bind(*args, **kwargs).arguments.values())
+    q, k_cache, v_cache, tables, cu, lens, scale = a[:7]
+    if int((cu[1:] - cu[:-1]).max()) > SHORT_CHUNK:
+        if bf16_pairs_pay(q, k_cache):  # every sequence in one call, K/V read in place (csrc/bf16_attention.cpp)
+            tables = tables.to(torch.int32).contiguous()
+            return torch.ops.kvtop_cpu.bf16_paged_prefill(q, k_cache, v_cache, tables, cu, lens, float(scale))
+        if sdpa_pays(cu, lens):
+            return sdpa_prefill_attention(*args, **kwargs)
     return inplace_prefill_attention(*args, **kwargs)
 
 
