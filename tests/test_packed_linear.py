@@ -330,22 +330,30 @@ def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
         assert dense == ["embed_tokens.weight"]
 
 
-@pytest.mark.skipif(not (AMX and BF16_PACKS), reason="the prefill copy is oneDNN's, beside AMX tiles")
+PREFILL_COPY = (AMX or BF16_PANELS) and BF16_PACKS
+needs_prefill_copy = pytest.mark.skipif(
+    not PREFILL_COPY, reason="the prefill copy is oneDNN's, beside AMX tiles or bf16 panels"
+)
+
+
+@needs_prefill_copy
 @pytest.mark.parametrize("rows", [LARGE_ROWS - 16, LARGE_ROWS, 2048])
 def test_a_long_prefill_step_runs_on_the_prefill_copy_and_matches_nn_linear(rows):
-    """From LARGE_ROWS rows an AMX projection holding oneDNN's copy computes on that copy; below
-    it, on its tiles. Either way within an ulp of nn.Linear."""
+    """From LARGE_ROWS rows a projection on AMX tiles or bf16 panels that holds oneDNN's copy
+    computes on that copy; below it, on its own kernel. Either way within an ulp of nn.Linear."""
     linear = _linear(torch.bfloat16, 960, 576, True)
-    packed = AMXLinear(linear.weight, linear.bias, large=True)
+    packed = packed_linear(linear.weight, linear.bias, large=True)
+    assert isinstance(packed, AMXLinear if AMX else PanelLinear) and packed.large is not None
     x = torch.randn(rows, 576).to(torch.bfloat16)
     with torch.inference_mode():
         got = packed(x)
         torch.testing.assert_close(got, linear(x), **BF16_TOL)
-        tiles = torch.ops.kvtop_cpu.amx_linear(x, packed.weight, packed.bias_fp32, packed.out_features)
-        assert torch.equal(got, packed.large(x) if rows >= LARGE_ROWS else tiles)
+        kernel = torch.ops.kvtop_cpu.amx_linear if AMX else torch.ops.kvtop_cpu.bf16_gemm
+        own = kernel(x, packed.weight, packed.bias_fp32, packed.out_features)
+        assert torch.equal(got, packed.large(x) if rows >= LARGE_ROWS else own)
 
 
-@pytest.mark.skipif(not (AMX and BF16_PACKS), reason="the prefill copy is oneDNN's, beside AMX tiles")
+@needs_prefill_copy
 def test_the_prefill_copy_keeps_the_greedy_tokens_and_is_reported_beside_the_weights(tiny_models, monkeypatch):
     """A step of 1,600 prompt tokens (past LARGE_ROWS) with and without the copy: the same greedy
     tokens; the stats report the copy apart, and `weights` keeps the meaning `kvctl plan` gives it."""

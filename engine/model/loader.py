@@ -43,7 +43,8 @@ class LoadedModel:
     path: Path
     eos_token_ids: set[int]
     weights_bytes: int  # the model's parameters at its dtype (what `kvctl plan` counts)
-    prefill_copy_bytes: int = 0  # held besides: oneDNN's copy of the AMX projections for long prefill steps
+    # held besides: oneDNN's copy of the AMX or bf16-panel projections for long prefill steps
+    prefill_copy_bytes: int = 0
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -15,7 +15,10 @@ layer, and its logits matmul, for them, on the CPU in bf16 (any other dtype or d
   more (long prefill steps, where it measured faster end to end).
 - `PanelLinear` (engine/model/panel_linear.py) on AVX512-BF16 without AMX (AMD Zen 4): our
   panel kernel (engine/kernels/csrc/bf16_gemm.cpp), 1.3-1.6x oneDNN at a decode step's 1-16 rows,
-  about even from 64; a tied embedding reads its rows from the head's panels.
+  about even from 64, ~10 % behind from 256 (oneDNN keeps 94-96 % of the VDPBF16PS peak on one core,
+  ours 83-87 %); a tied embedding reads its rows from the head's panels. Where `large_gemm_copy`
+  allows, the projections hold oneDNN's packed copy for LARGE_ROWS rows and more too, as on AMX
+  (a mixed-workload prefill step of 2,048 tokens 0.94x the time).
 - `OneDNNLinear` otherwise (AVX-512 without BF16 or AMX, or the extension missing): oneDNN's packed GEMM.
 
 fp32 is not packed with oneDNN by default (its packed fp32 measured slower end to end than MKL's
@@ -198,7 +201,7 @@ def packed_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, large: bool = False, gate_up: bool = False
 ) -> nn.Module:
     """The packed layer for this weight: AMX where the CPU has it, else our bf16 panels where it has
-    AVX512-BF16 (neither with KVTOP_PACKED_LINEAR=onednn), else oneDNN's. `large`: an AMX layer also
+    AVX512-BF16 (neither with KVTOP_PACKED_LINEAR=onednn), else oneDNN's. `large`: an AMX or panel layer also
     holds oneDNN's copy for prefill-sized inputs; `gate_up`: an MLP's gate/up weight, on AMX an
     AMXGateUp where it fits."""
     ours = weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn"
@@ -209,12 +212,14 @@ def packed_linear(
     if ours and fits(weight) and kernel_available(weight.dtype):
         layer = PanelLinear(weight, bias)
         layer(weight.new_zeros(1, layer.in_features))  # an op that fails here fails at load, not mid-step
+        if large:  # prefill-sized inputs to oneDNN's packed GEMM, as for AMX: a second copy
+            layer.large, layer.large_rows = OneDNNLinear(weight, bias, LARGE_ROWS), LARGE_ROWS
         return layer
     return OneDNNLinear(weight, bias, batch_hint)
 
 
 def large_gemm_copy(projection_bytes: int) -> bool:
-    """Whether the AMX projections also hold oneDNN's packed copy for prefill-sized inputs
+    """Whether the AMX (or bf16 panel) projections also hold oneDNN's packed copy for prefill-sized inputs
     (`KVTOP_LARGE_GEMM`: `auto`, the default, when that copy is at most LARGE_COPY_MAX bytes;
     `1` always; `0` never)."""
     mode = os.environ.get(LARGE_ENV, "auto")
@@ -237,11 +242,11 @@ def applies(weight: torch.Tensor) -> bool:
 
 
 def second_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the oneDNN copies AMX projections hold for prefill-sized inputs (0 without them)."""
+    """Bytes of the oneDNN copies AMX or bf16-panel projections hold for prefill-sized inputs (0 without them)."""
     return sum(
         sum(p.numel() * p.element_size() for p in m.large.parameters())
         for m in model.modules()
-        if isinstance(m, AMXLinear) and m.large is not None
+        if isinstance(m, (AMXLinear, PanelLinear)) and m.large is not None
     )
 
 

@@ -75,8 +75,14 @@ class PanelLinear(nn.Module):
         # the bf16 kernel adds the bias in fp32: converted once here, not on every call
         bf16_bias = bias is not None and weight.dtype == torch.bfloat16
         self.register_buffer("bias_fp32", bias.detach().float() if bf16_bias else None, persistent=False)
+        # engine/model/packed_linear.py may give a bf16 layer oneDNN's packed copy for inputs of at
+        # least `large_rows` rows (long prefill steps), where oneDNN's GEMM keeps more of the peak
+        self.large: nn.Module | None = None
+        self.large_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large is not None and x.numel() >= self.large_rows * self.in_features:
+            return self.large(x)
         if self.weight.dim() == 4:  # bf16 pairs
             return torch.ops.kvtop_cpu.bf16_gemm(x, self.weight, self.bias_fp32, self.out_features)
         return torch.ops.kvtop_cpu.fp32_gemm(x, self.weight, self.bias, self.out_features)
