@@ -17,7 +17,9 @@ for every group, masks included: its products run on the tiles, and a tile of qu
 last visible key, where torch's flash kernel computed the causal half above the diagonal too. In
 fp32 where the build has AVX-512, `csrc/fp32_attention.cpp` does the same with AVX-512 products
 (SmolLM2, 8 prompts x 256: 3.7 ms a layer against SDPA's 5.8-6.8), and in bf16 on AVX-512 without
-AMX (AMD Zen 4) the fp32 kernel takes upcast copies (7.4 ms a layer against SDPA's 12.5 in bf16).
+AMX the fp32 kernel takes upcast copies (7.4 ms a layer against SDPA's 12.5 in bf16) where the build
+has no AVX512-BF16; with it (AMD Zen 4) the backend skips this module for `csrc/bf16_attention.cpp`
+(`bf16_pairs_pay`).
 Padding whole prompts of different lengths into one causal launch was slower (64 prompts of
 20..44 tokens: SDPA's time grows with the padded length squared, 64 x 44 costs 2.4x 64 x 32), and
 so was one launch per sequence when shapes repeat: measured, not kept.
@@ -153,7 +155,7 @@ def bf16_pairs_pay(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def _upcast_attention(queries: torch.Tensor) -> bool:
     """bf16 where AMX will not take it but the fp32 kernel is built (AVX-512 without AMX: AMD Zen 4,
     Intel before Sapphire Rapids): that kernel on fp32 copies of q, K and V, the output rounded back
-    to bf16. SmolLM2's heads, 8 prompts x 256 on a 2-core Zen 4: 7.4 ms a layer against SDPA's 12.5
+    to bf16. The backend reaches it only where `bf16_pairs_pay` says no (AVX-512 without BF16). SmolLM2's heads, 8 prompts x 256 on a 2-core Zen 4: 7.4 ms a layer against SDPA's 12.5
     in bf16, and closer to fp64 (it sums in fp32 and rounds once)."""
     head_dim = queries.shape[-1]
     if queries.dtype != torch.bfloat16 or head_dim % 16 or head_dim > 256:
