@@ -155,8 +155,9 @@ def bf16_pairs_pay(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def _upcast_attention(queries: torch.Tensor) -> bool:
     """bf16 where AMX will not take it but the fp32 kernel is built (AVX-512 without AMX: AMD Zen 4,
     Intel before Sapphire Rapids): that kernel on fp32 copies of q, K and V, the output rounded back
-    to bf16. The backend reaches it only where `bf16_pairs_pay` says no (AVX-512 without BF16). SmolLM2's heads, 8 prompts x 256 on a 2-core Zen 4: 7.4 ms a layer against SDPA's 12.5
-    in bf16, and closer to fp64 (it sums in fp32 and rounds once)."""
+    to bf16. The backend reaches it only where `bf16_pairs_pay` says no (AVX-512 without BF16).
+    SmolLM2's heads, 8 prompts x 256 on a 2-core Zen 4: 7.4 ms a layer against SDPA's 12.5 in bf16,
+    and closer to fp64 (it sums in fp32 and rounds once)."""
     head_dim = queries.shape[-1]
     if queries.dtype != torch.bfloat16 or head_dim % 16 or head_dim > 256:
         return False
