@@ -16,7 +16,8 @@ import torch
 
 from engine.kernels import cpu, cpu_prefill
 from engine.kernels import reference as ref
-from tests.test_triton_kernels import Paged, cu_seqlens, strided_q
+from tests.test_cpu_prefill import case as prefill_case
+from tests.test_triton_kernels import cu_seqlens
 
 BF16 = cpu.says("bf16_attention_supported")  # loads (and on a first run builds) the kernel extension
 AMX = cpu.says("amx_supported")
@@ -36,11 +37,8 @@ LAYOUTS = {
 
 
 def case(seqs, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
-    q_lens = [n for _, n in seqs]
-    cache = Paged([p + n for p, n in seqs], block_size, kv_heads, head_dim, dtype=torch.bfloat16, seed=seed)
-    q = strided_q(sum(q_lens), heads, head_dim, seed=seed + 1, dtype=torch.bfloat16)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu_seqlens(q_lens), cache.seq_lens, head_dim**-0.5)
-    return args, cache
+    """tests/test_cpu_prefill.py's random paged case, in bf16: (args, cache)."""
+    return prefill_case(seqs, "auto", heads, kv_heads, head_dim, block_size, torch.bfloat16, seed)
 
 
 def oracle(args) -> torch.Tensor:

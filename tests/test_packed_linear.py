@@ -332,7 +332,8 @@ def test_a_tied_bf16_model_holds_its_embedding_once(tiny_models, monkeypatch):
 
 PREFILL_COPY = (AMX or BF16_PANELS) and BF16_PACKS
 needs_prefill_copy = pytest.mark.skipif(
-    not PREFILL_COPY, reason="the prefill copy is oneDNN's, beside AMX tiles or bf16 panels"
+    not PREFILL_COPY,
+    reason="this CPU has neither AMX nor AVX512-BF16 (or oneDNN has no bf16 here): no layer holds a prefill copy",
 )
 
 

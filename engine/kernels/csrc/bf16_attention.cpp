@@ -33,11 +33,11 @@
 
 #include "bf16_simd.h"
 #include "cephes_exp.h"
+#include "row_blocks.h"
 
 namespace {
 
-constexpr int64_t kRows = 6;           // queries per pass: 6 x 4 accumulators
-constexpr int64_t kCols = 64;          // keys (scores) or dims (P V) per pass: 4 vectors
+using kvtop_rows::kRows;               // queries per pass
 constexpr int64_t kTaskQueries = 64;   // new tokens per task
 constexpr int64_t kPad = 16;           // a row pitch of a power of two puts a pass's rows in a few L1 sets
 constexpr int64_t kMaxHeadDim = 256;
@@ -64,49 +64,25 @@ struct Task {
 #if defined(__AVX512BF16__)
 // acc[m][v] = sum over k < kc of a[m * lda + k] . b[k * ldb + 16 v] (each a bf16 pair: vdpbf16ps), for
 // m < MR, v < NV; stored to out[m * ldo + 16 v].
-template <int MR, int NV>
-void product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t kc, float* out, int64_t ldo) {
-  __m512 acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512bh bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * ldb + 16 * v));
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[m * lda + k])));
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, bv[v]);
+struct Product {
+  template <int MR, int NV>
+  static void run(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t kc, float* out,
+                  int64_t ldo) {
+    __m512 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
+      __m512bh bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * ldb + 16 * v));
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a[m * lda + k])));
+        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, bv[v]);
+      }
     }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
-}
-
-template <int MR>
-void product_nv(int64_t nv, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t kc, float* out,
-                int64_t ldo) {
-  switch (nv) {
-    case 4: return product<MR, 4>(a, lda, b, ldb, kc, out, ldo);
-    case 3: return product<MR, 3>(a, lda, b, ldb, kc, out, ldo);
-    case 2: return product<MR, 2>(a, lda, b, ldb, kc, out, ldo);
-    default: return product<MR, 1>(a, lda, b, ldb, kc, out, ldo);
-  }
-}
-
-// out[0..mr) x [0..cols) = a[0..mr) . b over kc pairs (cols a multiple of 16), kCols columns a pass.
-void rows_product(int64_t mr, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t kc, int64_t cols,
-                  float* out, int64_t ldo) {
-  for (int64_t c = 0; c < cols; c += kCols) {
-    const int64_t nv = std::min(kCols, cols - c) / 16;
-    switch (mr) {
-      case 6: product_nv<6>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 5: product_nv<5>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 4: product_nv<4>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 3: product_nv<3>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 2: product_nv<2>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      default: product_nv<1>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-    }
-  }
-}
+};
 
 // Key (or value) row j of one sequence's KV head, found through its block table.
 inline const uint16_t* cache_row(const Call& c, const uint16_t* cache, const int32_t* table, int64_t head, int64_t j) {
@@ -175,12 +151,13 @@ void attend_rows(const Call& c, const Task& t, int64_t head, int64_t i0, int64_t
   const int64_t keys = offset + i0 + rows, width = round_up(keys, 16);  // what the pass's last query sees
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(&w.q[r * half], c.q + (c.cu[t.seq] + i0 + r) * c.q_token + head * c.q_head, sizeof(uint16_t) * c.d);
-  rows_product(rows, w.q.data(), half, w.kt.data(), pitch, half, width, w.s.data(), pitch);
+  kvtop_rows::rows_product<Product>(rows, w.q.data(), half, w.kt.data(), pitch, half, width, w.s.data(), pitch);
   float inv[kRows];
   auto* p = reinterpret_cast<uint16_t*>(w.p.data());
   for (int64_t r = 0; r < rows; ++r)
     inv[r] = 1.f / softmax_row(&w.s[r * pitch], offset + i0 + r + 1, width, c.scale, p + r * pitch);
-  rows_product(rows, w.p.data(), pitch / 2, w.vp.data(), c.d, (keys + 1) / 2, c.d, w.o.data(), c.d);
+  kvtop_rows::rows_product<Product>(rows, w.p.data(), pitch / 2, w.vp.data(), c.d, (keys + 1) / 2, c.d, w.o.data(),
+                                    c.d);
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* dst = c.out + ((c.cu[t.seq] + i0 + r) * c.hq + head) * c.d;
     const __m512 iv = _mm512_set1_ps(inv[r]);

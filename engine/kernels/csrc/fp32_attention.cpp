@@ -25,59 +25,34 @@
 
 #include "causal_tasks.h"
 #include "cephes_exp.h"
+#include "row_blocks.h"
 
 namespace {
 
 
 #ifdef __AVX512F__
-constexpr int64_t kRows = 6;   // queries per block: 6 x 4 accumulators
-constexpr int64_t kCols = 64;  // keys (scores) or dims (P V) per pass: 4 vectors
+using kvtop_rows::kRows;
 
 // acc[m][v] = sum over k < kc of a[m * lda + k] * b[k * ldb + 16 v], for m < MR, v < NV; stored to
 // out[m * ldo + 16 v].
-template <int MR, int NV>
-void product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* out, int64_t ldo) {
-  __m512 acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 av = _mm512_set1_ps(a[m * lda + k]);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(av, bv[v], acc[m][v]);
+struct Product {
+  template <int MR, int NV>
+  static void run(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* out, int64_t ldo) {
+    __m512 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
+      __m512 bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 av = _mm512_set1_ps(a[m * lda + k]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(av, bv[v], acc[m][v]);
+      }
     }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
-}
-
-template <int MR>
-void product_nv(int64_t nv, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* out,
-                int64_t ldo) {
-  switch (nv) {
-    case 4: return product<MR, 4>(a, lda, b, ldb, kc, out, ldo);
-    case 3: return product<MR, 3>(a, lda, b, ldb, kc, out, ldo);
-    case 2: return product<MR, 2>(a, lda, b, ldb, kc, out, ldo);
-    default: return product<MR, 1>(a, lda, b, ldb, kc, out, ldo);
-  }
-}
-
-// out[0..mr) x [0..cols) = a[0..mr) . b over kc (cols a multiple of 16), in passes of kCols columns.
-void rows_product(int64_t mr, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, int64_t cols,
-                  float* out, int64_t ldo) {
-  for (int64_t c = 0; c < cols; c += kCols) {
-    const int64_t nv = std::min(kCols, cols - c) / 16;
-    switch (mr) {
-      case 6: product_nv<6>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 5: product_nv<5>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 4: product_nv<4>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 3: product_nv<3>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      case 2: product_nv<2>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-      default: product_nv<1>(nv, a, lda, b + c, ldb, kc, out + c, ldo); break;
-    }
-  }
-}
+};
 
 struct Scratch {
   std::vector<float> kt, q, s, o;  // keys transposed [D][pitch]; a block's queries, scores and output
@@ -128,11 +103,11 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t width = (keys + 15) / 16 * 16;
       for (int64_t r = 0; r < rows; ++r)
         std::copy_n(qb + (i0 + r) * q.stride(1), d, w.q.data() + r * d);
-      rows_product(rows, w.q.data(), d, w.kt.data(), pitch, d, width, w.s.data(), pitch);
+      kvtop_rows::rows_product<Product>(rows, w.q.data(), d, w.kt.data(), pitch, d, width, w.s.data(), pitch);
       float inv[kRows];
       for (int64_t r = 0; r < rows; ++r)
         inv[r] = 1.0f / softmax_row(w.s.data() + r * pitch, offset + i0 + r + 1, width, scale);
-      rows_product(rows, w.s.data(), pitch, vb, v.stride(1), keys, d, w.o.data(), d);
+      kvtop_rows::rows_product<Product>(rows, w.s.data(), pitch, vb, v.stride(1), keys, d, w.o.data(), d);
       for (int64_t r = 0; r < rows; ++r) {
         float* orow = ob + (i0 + r) * out.stride(1);
         const __m512 iv = _mm512_set1_ps(inv[r]);
