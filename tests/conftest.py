@@ -76,11 +76,11 @@ def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2-135m")
 
 
-def make_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def make_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**TINY, **extra})
+    config = getattr(transformers, cls_name)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out_dir)

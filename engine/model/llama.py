@@ -19,6 +19,7 @@ from engine.kernels.attention import AttentionBatch, Backend, paged_attention
 from engine.kv.cache import KVLayer
 from engine.model.fused_decode import fused_decode_for
 from engine.model.packed_linear import AMXGateUp
+from engine.model.panel_linear import PanelGateUp
 from engine.model.spec import ModelSpec
 
 
@@ -72,8 +73,9 @@ class DecoderLayer(nn.Module):
         h = kernels.fused_add_rms_norm(
             self.o_proj(attn.reshape(n, q_size)), residual, self.post_attention_layernorm, eps
         )
-        gate_up = self.gate_up_proj  # on AMX, SiLU-and-mul can come from its epilogue
-        act = gate_up.silu_and_mul(h, kernels) if isinstance(gate_up, AMXGateUp) else kernels.silu_and_mul(gate_up(h))
+        gate_up = self.gate_up_proj  # on AMX and the fp32 panels, SiLU-and-mul can come from its epilogue
+        fused = isinstance(gate_up, (AMXGateUp, PanelGateUp))
+        act = gate_up.silu_and_mul(h, kernels) if fused else kernels.silu_and_mul(gate_up(h))
         return self.down_proj(act), residual
 
 

@@ -91,6 +91,29 @@ class PanelLinear(nn.Module):
         return unpack_panels(self.weight, self.out_features)
 
 
+class PanelGateUp(PanelLinear):
+    """An fp32 MLP's gate/up projection on the panels with SiLU-and-mul in the kernel's epilogue
+    (csrc/fp32_gemm.cpp's fp32_gate_up_silu, AVX-512): a work item multiplies a gate panel and its up
+    panel and writes their 48 products, so the [rows, 2I] output is never written nor read back (a
+    2,048-token step's SiLU-and-mul read 25 MB of it and took ~6 % of the step). Same panels as
+    PanelLinear (the gate's I columns, then the up's); bit for bit `silu_and_mul(forward(x))`. I must
+    be a multiple of 48 (`fits_gate_up`)."""
+
+    @staticmethod
+    def fits_gate_up(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32 and weight.shape[0] % (2 * PANEL) == 0
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.inter = self.out_features // 2
+
+    def silu_and_mul(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        """`kernels.silu_and_mul(self(x))`; in the epilogue where that is the cpu kernels' op."""
+        if kernels is not cpu:
+            return kernels.silu_and_mul(self(x))
+        return torch.ops.kvtop_cpu.fp32_gate_up_silu(x, self.weight, self.bias, self.inter)
+
+
 class PanelEmbedding(nn.Module):
     """A tied embedding looked up in its logits head's panels, so the table is held once: row n is
     column n % 48 of panel n // 48 (one strided gather)."""
@@ -112,6 +135,7 @@ def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:
     two copies); on any failure (one log line) the model is back on nn.Linear. True when swapped."""
     if not kernel_available():
         return False
+    fused = cpu.says("fp32_gate_up_supported")
     done: list[tuple[nn.Module, str]] = []
     try:
         for layer in model.layers:
@@ -119,7 +143,8 @@ def to_panels(model: nn.Module, projections: tuple[str, ...]) -> bool:
                 linear = getattr(layer, name)
                 if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
                     raise TypeError(f"{name} holds a {linear.weight.dtype} {linear.weight.device.type} weight")
-                setattr(layer, name, PanelLinear(linear.weight, linear.bias))
+                gate_up = fused and name == "gate_up_proj" and PanelGateUp.fits_gate_up(linear.weight)
+                setattr(layer, name, (PanelGateUp if gate_up else PanelLinear)(linear.weight, linear.bias))
                 done.append((layer, name))
                 if len(done) == 1:  # an op that fails on this CPU fails here, not mid-step
                     getattr(layer, name)(linear.weight.new_zeros(1, linear.in_features))

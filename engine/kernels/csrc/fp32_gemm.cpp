@@ -33,6 +33,11 @@
 #include <cstring>
 #endif
 
+// As in fused_ops.cpp: no mul+add turned into an fma, so that bf16_simd.h's SiLU-and-mul in the gate/up
+// epilogue below computes exactly as the separate op does. (The GEMM itself calls fma explicitly.)
+#pragma GCC optimize("fp-contract=off")
+#include "bf16_simd.h"
+
 namespace {
 
 constexpr int64_t kNR = kvtop_panels::kPanel;  // output columns per panel: three vectors of 16, or six of 8
@@ -186,9 +191,65 @@ at::Tensor fp32_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
   return out;
 }
 
+bool fp32_gate_up_supported() {
+#if defined(KVTOP_FP32_GEMM) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// An MLP's gate/up projection with SiLU-and-mul in its epilogue: x [..., K] fp32 @ W^T (+ bias) for a
+// gate/up weight W [2I, K] packed as fp32_gemm's panels (I a multiple of 48: gate panels 0..I/48-1, up
+// panels after them), then silu(gate) * up -> [..., I]. A work item computes one gate panel and its up
+// panel for its rows into two buffers (the same sums as fp32_gemm's) and writes the 48 products: the
+// [rows, 2I] output is never written nor read back. Bit for bit silu_and_mul(fp32_gemm(...)) on
+// AVX-512 (the same silu_mul16); tests/test_gate_up_silu.py.
+at::Tensor fp32_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t inter) {
+  TORCH_CHECK(fp32_gate_up_supported(), "fp32_gate_up_silu: this build has no AVX-512");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && !x.is_cuda() &&
+                  !packed.is_cuda(),
+              "fp32_gate_up_silu: float32 CPU tensors expected");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kNR && x.size(-1) == packed.size(1),
+              "fp32_gate_up_silu: the weight must be packed as a contiguous [2I/48, K, 48] with x's last dim as K");
+  TORCH_CHECK(inter > 0 && inter % kNR == 0, "fp32_gate_up_silu: the intermediate size must be a multiple of 48");
+  kvtop_panels::check_n_and_bias(packed, 2 * inter, bias, "fp32_gate_up_silu");
+  const int64_t k = packed.size(1);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  at::Tensor out = kvtop_panels::output_for(x, inter);
+#if defined(KVTOP_FP32_GEMM) && defined(__AVX512F__)
+  if (m == 0) return out;
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t half = inter / kNR;  // gate panels; up panel j + half pairs with gate panel j
+  kvtop_panels::for_each_item(m, half, kMC, [&](int64_t m0, int64_t m1, int64_t j) {
+    alignas(64) float gate[kMC * kNR];
+    alignas(64) float up[kMC * kNR];
+    const float* xr = xp + m0 * k;
+    const float* gate_panel = wp + j * k * kNR;
+    const float* up_panel = wp + (j + half) * k * kNR;
+    const float* next_gate = j + 1 < half ? gate_panel + k * kNR : nullptr;
+    panel_item(xr, 0, m1 - m0, k, gate_panel, 0, kNR, bp ? bp + j * kNR : nullptr, gate, up_panel);
+    panel_item(xr, 0, m1 - m0, k, up_panel, 0, kNR, bp ? bp + inter + j * kNR : nullptr, up, next_gate);
+    for (int64_t r = 0; r < m1 - m0; ++r)
+      for (int64_t c = 0; c < kNR; c += 16)
+        _mm512_storeu_ps(yp + (m0 + r) * inter + j * kNR + c,
+                         kvtop_simd::silu_mul16<false>(_mm512_load_ps(gate + r * kNR + c),
+                                                       _mm512_load_ps(up + r * kNR + c)));
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("fp32_linear_supported() -> bool", &fp32_linear_supported);
   m.def("fp32_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &fp32_gemm);
+  m.def("fp32_gate_up_supported() -> bool", &fp32_gate_up_supported);
+  m.def("fp32_gate_up_silu(Tensor x, Tensor packed, Tensor? bias, int inter) -> Tensor", &fp32_gate_up_silu);
 }
