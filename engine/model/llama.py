@@ -18,8 +18,6 @@ from torch import nn
 from engine.kernels.attention import AttentionBatch, Backend, paged_attention
 from engine.kv.cache import KVLayer
 from engine.model.fused_decode import fused_decode_for
-from engine.model.packed_linear import AMXGateUp
-from engine.model.panel_linear import PanelGateUp
 from engine.model.spec import ModelSpec
 
 
@@ -73,9 +71,9 @@ class DecoderLayer(nn.Module):
         h = kernels.fused_add_rms_norm(
             self.o_proj(attn.reshape(n, q_size)), residual, self.post_attention_layernorm, eps
         )
-        gate_up = self.gate_up_proj  # on AMX and the fp32 panels, SiLU-and-mul can come from its epilogue
-        fused = isinstance(gate_up, (AMXGateUp, PanelGateUp))
-        act = gate_up.silu_and_mul(h, kernels) if fused else kernels.silu_and_mul(gate_up(h))
+        # a gate/up layer with SiLU-and-mul in its epilogue (AMXGateUp, PanelGateUp) offers it as a method
+        fused = getattr(self.gate_up_proj, "silu_and_mul", None)
+        act = fused(h, kernels) if fused else kernels.silu_and_mul(self.gate_up_proj(h))
         return self.down_proj(act), residual
 
 

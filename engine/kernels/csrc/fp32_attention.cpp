@@ -94,17 +94,19 @@ void attend_task(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   float* kt = w.kt.data();
   // 16 keys at a time: a gather down the keys' rows for each dim, stored along kt's row (the tail's
   // lanes zero, as the padding must be)
-  const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(kstride)));
-  for (int64_t j0 = 0; j0 < nk && kstride < (int64_t{1} << 26); j0 += 16) {
-    const __mmask16 live = nk - j0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (nk - j0)) - 1u);
-    const float* src = kb + j0 * kstride;
-    for (int64_t c = 0; c < d; ++c)
-      _mm512_storeu_ps(kt + c * pitch + j0, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows16, src + c, 4));
-  }
-  if (kstride >= (int64_t{1} << 26))  // 16 rows' offsets past 32 bits: one element at a time
+  if (kstride < (int64_t{1} << 26)) {  // 16 rows' offsets fit the gather's 32 bits
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(kstride)));
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      const __mmask16 live = nk - j0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (nk - j0)) - 1u);
+      const float* src = kb + j0 * kstride;
+      for (int64_t c = 0; c < d; ++c)
+        _mm512_storeu_ps(kt + c * pitch + j0, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows16, src + c, 4));
+    }
+  } else {  // one element at a time
     for (int64_t j = 0; j < nk; ++j)
       for (int64_t c = 0; c < d; ++c) kt[c * pitch + j] = kb[j * kstride + c];
+  }
   w.s.resize(kRows * pitch);
   w.o.resize(kRows * d);
   const float* vb = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(2);

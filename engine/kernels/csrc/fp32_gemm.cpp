@@ -161,17 +161,24 @@ bool fp32_linear_supported() {
 #endif
 }
 
+// What fp32_gemm and fp32_gate_up_silu take: fp32 CPU tensors, W packed as a contiguous [ceil(N/48),
+// K, 48] with x's last dim as K, N matching it, the bias a float32 [N]. `op` names the op in the error.
+void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                    const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && !x.is_cuda() &&
+                  !packed.is_cuda(),
+              op, ": float32 CPU tensors expected");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kNR && x.size(-1) == packed.size(1),
+              op, ": the weight must be packed as a contiguous [ceil(N/48), K, 48] with x's last dim as K");
+  kvtop_panels::check_n_and_bias(packed, n, bias, op);
+}
+
 // x [..., K] fp32 @ W^T (+ bias [N]) -> [..., N] fp32, W packed as [ceil(N/48), K, 48].
 at::Tensor fp32_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
 #ifndef KVTOP_FP32_GEMM
   TORCH_CHECK(false, "fp32_gemm: this build has neither AVX-512 nor AVX2 with FMA");
 #endif
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && !x.is_cuda() &&
-                  !packed.is_cuda(),
-              "fp32_gemm: float32 CPU tensors expected");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kNR && x.size(-1) == packed.size(1),
-              "fp32_gemm: the weight must be packed as a contiguous [ceil(N/48), K, 48] with x's last dim as K");
-  kvtop_panels::check_n_and_bias(packed, n, bias, "fp32_gemm");
+  check_operands(x, packed, n, bias, "fp32_gemm");
   const int64_t k = packed.size(1);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
@@ -208,13 +215,8 @@ bool fp32_gate_up_supported() {
 at::Tensor fp32_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                              int64_t inter) {
   TORCH_CHECK(fp32_gate_up_supported(), "fp32_gate_up_silu: this build has no AVX-512");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && !x.is_cuda() &&
-                  !packed.is_cuda(),
-              "fp32_gate_up_silu: float32 CPU tensors expected");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kNR && x.size(-1) == packed.size(1),
-              "fp32_gate_up_silu: the weight must be packed as a contiguous [2I/48, K, 48] with x's last dim as K");
   TORCH_CHECK(inter > 0 && inter % kNR == 0, "fp32_gate_up_silu: the intermediate size must be a multiple of 48");
-  kvtop_panels::check_n_and_bias(packed, 2 * inter, bias, "fp32_gate_up_silu");
+  check_operands(x, packed, 2 * inter, bias, "fp32_gate_up_silu");
   const int64_t k = packed.size(1);
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
