@@ -331,7 +331,9 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
       if (g >= G) break;
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, _mm512_load_ps(p[g]), ks);
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
+      // 0 on the first block (m = -inf); 1 where the block did not raise the max (most blocks past the
+      // first few), without a call to exp
+      const float alpha = m_new == m[g] ? 1.f : std::exp(m[g] - m_new);
       const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
       l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
       m[g] = m_new;
