@@ -11,6 +11,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu, reference
+from engine.model import fused_decode
 from engine.model.packed_linear import ENV
 from engine.model.panel_linear import PanelGateUp, PanelLinear, kernel_available
 from tests.conftest import make_tiny_model
@@ -130,3 +131,27 @@ def test_the_engine_gives_the_same_greedy_tokens_as_plain_nn_linear(tiny_96, mon
     plain = LLM(str(tiny_96), dtype="float32", kv_cache_memory="2MiB", quiet=True)
     assert type(plain.engine.model.layers[0].gate_up_proj) is nn.Linear
     assert fused == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+@needs_fused
+def test_the_fused_decode_step_runs_the_epilogue_with_the_loops_results(tiny_96, monkeypatch):
+    """A decode-only step's C++ op (decode_layers) takes PanelGateUp as its own kind and calls the
+    epilogue op: the decode steps' tokens and log-probs are the Python loop's, bit for bit."""
+    llm = LLM(str(tiny_96), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=8, enable_prefix_caching=False,
+              quiet=True)  # fmt: skip
+    model = llm.engine.model
+    assert fused_decode.FusedDecode(model).kinds[2 :: 4] == [6] * len(model.layers)  # each layer's gate/up
+    prompts = random_prompts(6, (3, 60), seed=17)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(fused_decode.ENV, fused)
+        model.fused_kernels = None  # gathered again under this setting at the next step
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs = llm.generate(prompts, params)
+        calls = {e.key: e.count for e in prof.key_averages()}
+        results[fused] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
+        if fused == "1":  # every decode-only step took the op, whose gate/up ran the epilogue
+            assert calls.get("kvtop_cpu::decode_layers", 0) >= params.max_tokens - 1
+            assert calls.get("kvtop_cpu::fp32_gate_up_silu", 0) >= calls["kvtop_cpu::decode_layers"] * len(model.layers)
+    assert results["1"] == results["0"]

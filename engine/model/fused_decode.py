@@ -20,7 +20,7 @@ from torch import nn
 from engine.kernels.attention import AttentionBatch
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
-from engine.model.panel_linear import PanelLinear
+from engine.model.panel_linear import PanelGateUp, PanelLinear
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -30,6 +30,8 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
     """decode_layers.cpp's kind for this projection, the weight and bias it takes; None: not covered."""
     if isinstance(module, pl.AMXGateUp):  # gate/up with SiLU-and-mul in its epilogue
         return 4, module.weight, module.bias_fp32
+    if isinstance(module, PanelGateUp):  # the same, on the fp32 panels
+        return 6, module.weight, module.bias
     if isinstance(module, pl.AMXLinear):
         return 0, module.weight, module.bias_fp32
     if isinstance(module, pl.OneDNNLinear):

@@ -14,7 +14,8 @@
 //   0 AMXLinear (amx_linear on the tile layout, an fp32 bias), 1 OneDNNLinear (oneDNN's packed GEMM),
 //   2 PanelLinear in fp32 (fp32_gemm on the fp32 panel layout),
 //   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue),
-//   5 PanelLinear in bf16 (bf16_gemm on the bf16 panel layout, an fp32 bias).
+//   5 PanelLinear in bf16 (bf16_gemm on the bf16 panel layout, an fp32 bias),
+//   6 PanelGateUp (gate/up only: fp32_gate_up_silu on the fp32 panels, SiLU-and-mul in its epilogue).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -67,6 +68,10 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       fp32 = op("kvtop_cpu::fp32_gemm")
                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
+      fp32_gate_up = op("kvtop_cpu::fp32_gate_up_silu")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                           int64_t)>();
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       bf16 = op("kvtop_cpu::bf16_gemm")
                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
@@ -144,8 +149,9 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
                               .to(q.scalar_type());
   h = o.add_norm.call(proj(1, attn.reshape({n, q_size})), residual, norms[2 * i + 1], s.eps);
-  if (kinds[p + 2] == 4)  // AMXGateUp.silu_and_mul: the epilogue's SiLU-and-mul (gate/up's kind only)
-    return proj(3, o.gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2, true));
+  // the gate/up kinds with SiLU-and-mul in their epilogue: AMXGateUp's and PanelGateUp's silu_and_mul
+  if (kinds[p + 2] == 4) return proj(3, o.gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2, true));
+  if (kinds[p + 2] == 6) return proj(3, o.fp32_gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2));
   return proj(3, o.silu_mul.call(proj(2, h)));
 }
 
