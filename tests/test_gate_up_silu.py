@@ -140,7 +140,7 @@ def test_the_fused_decode_step_runs_the_epilogue_with_the_loops_results(tiny_96,
     llm = LLM(str(tiny_96), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=8, enable_prefix_caching=False,
               quiet=True)  # fmt: skip
     model = llm.engine.model
-    assert fused_decode.FusedDecode(model).kinds[2 :: 4] == [6] * len(model.layers)  # each layer's gate/up
+    assert fused_decode.FusedDecode(model).kinds[2::4] == [6] * len(model.layers)  # each layer's gate/up
     prompts = random_prompts(6, (3, 60), seed=17)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     results = {}
