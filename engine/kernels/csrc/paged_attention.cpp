@@ -237,6 +237,11 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
   }
 }
 
+#ifdef KVTOP_DECODE_FAST
+// fp8 e4m3 to float for both decode items' gathers (the table above, looked up once)
+const float* const kFp8Table = fp8_table();
+#endif
+
 #if defined(__AVX512F__)
 // ---- decode on AVX-512: one query token per sequence, a GQA group of up to 8 rows -----------------
 // The portable `attend` above is general (tiles, causal limits, any block size) but spends most of a
@@ -248,8 +253,6 @@ void attend(Scratch& s, int64_t rows, const int32_t* table, int64_t block_size, 
 // core's memory bandwidth here: a decode step of SmolLM2 (30 layers x 64 sequences x 384 tokens,
 // bf16 cache, one thread) 120 -> 63 ms, fp32 164 -> 96 ms; the prefetch of the next block, spread
 // over the keys, is half of that (without it, 131 ms bf16).
-
-const float* const kFp8Table = fp8_table();
 
 template <typename T>
 inline __m512 load16(const T* p) {
@@ -369,8 +372,6 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
 // the group with its accumulators in registers and the block's V rows in L1 after the first row.
 // Against the generic `attend` it replaces, an AVX2 build on a Zen 5, 64 x 336 tokens, 30 layers, 2
 // threads: fp32 53-55 -> 26-37 ms, int8 32-33 -> 24-25, fp8 60-61 -> 46-49 (benchmarks/cpu_attention.py).
-
-const float* const kFp8Table = fp8_table();
 
 template <typename T>
 inline __m256 load8(const T* p) {
