@@ -21,7 +21,10 @@ FP8_MAX = 448.0
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, heads, dim] -> int8 values and a per-(token, head) scale."""
     x = x.float()
-    scale = x.abs().amax(dim=-1).clamp(min=1e-8) / INT8_MAX
+    amax = x.abs().amax(dim=-1).clamp(min=1e-8)
+    # divided by a tensor on x's device, not a Python number: CUDA torch turns division by a host
+    # scalar into multiplication by its reciprocal, one ulp off the IEEE quotient the kernels compute
+    scale = amax / amax.new_tensor(INT8_MAX)
     q = torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
