@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # GPU check, for a CUDA machine (a fresh one is fine): the Triton kernel tests compiled (no
-# interpreter), then the kernel benchmark. Logs and JSON go to $OUT when it is set, else to
-# out/gpu_check/. About 5-7 minutes on an H200; exits non-zero when a step fails.
+# interpreter), the engine end to end against transformers on the GPU (benchmarks/gpu_engine.py:
+# tokens, then speed at SmolLM2-135M's shape with random weights), then the kernel benchmark.
+# Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most ~8 minutes (each step
+# has its own time limit); exits non-zero when a step fails.
 #
 #     benchmarks/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
+#     MODEL_DIR=DIR benchmarks/gpu_check.sh   # SmolLM2-135M's tokenizer + config.json, when the
+#                                             # machine has no ~/.cache/kvtop/models/smollm2-135m
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,13 +44,19 @@ fi
 
 status=0
 echo "== pytest tests/test_triton_kernels.py (compiled)"
-timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
     --junitxml="$out/pytest.xml" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel tests failed (exit $rc)"; status=1; }
 
+echo "== python benchmarks/gpu_engine.py"
+timeout 150 "$py" benchmarks/gpu_engine.py ${MODEL_DIR:+--model-dir "$MODEL_DIR"} --json "$out/engine.json" 2>&1 |
+    grep -v -e "Loading weights" -e "Writing model shards" | tee "$out/engine.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && { echo "gpu_check: engine check failed (exit $rc)"; status=1; }
+
 echo "== python benchmarks/triton_kernels.py"
-timeout 200 "$py" benchmarks/triton_kernels.py --time-budget 150 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+timeout 170 "$py" benchmarks/triton_kernels.py --time-budget 120 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel benchmark failed (exit $rc)"; status=1; }
 

@@ -261,33 +261,40 @@ def main() -> None:
 
     print(" ".join(HEADERS.get(k, k).rjust(w) for k, _, w in COLUMNS))
     rows = []
+    result = {
+        "command": " ".join(sys.argv),
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GBps": copy_bps / 1e9,
+        "rows": rows,
+    }
     for item in plan:
         if time.time() - start > args.time_budget:
             row = {"phase": item[0], "shape": item[1], "skipped": "time budget spent"}
-        elif item[0] == "decode":
-            row = decode_row(tk, *item[1:], copy_bps)
         else:
-            row = prefill_row(tk, *item[1:], copy_bps)
+            try:
+                if item[0] == "decode":
+                    row = decode_row(tk, *item[1:], copy_bps)
+                else:
+                    row = prefill_row(tk, *item[1:], copy_bps)
+            except Exception as exc:  # one row's failure (a compile error, OOM) must not lose the others
+                row = {"phase": item[0], "shape": item[1], "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]}
         torch.cuda.empty_cache()
         rows.append(row)
         print(format_row(row), flush=True)
+        if args.json_path:  # after every row: a run stopped at its time limit keeps what it measured
+            with open(args.json_path, "w") as f:
+                json.dump(result, f, indent=1)
     print(
         "x_sdpa = SDPA time (K/V pre-gathered, gather excluded) / Triton time; x_sdpa+g includes the gather; "
         "> 1 means Triton is faster"
     )
     if args.json_path:
-        result = {
-            "command": " ".join(sys.argv),
-            "device": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "copy_GBps": copy_bps / 1e9,
-            "rows": rows,
-        }
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {args.json_path}")
+    if any(str(row.get("skipped", "")).startswith("failed") for row in rows):
+        sys.exit("benchmarks/triton_kernels.py: some rows failed (see above)")
 
 
 if __name__ == "__main__":
