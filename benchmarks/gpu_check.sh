@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, for a CUDA machine (a fresh one is fine): the Triton kernel tests compiled (no
 # interpreter), the engine end to end against transformers on the GPU (benchmarks/gpu_engine.py:
-# tokens, then speed at SmolLM2-135M's shape with random weights), then the kernel benchmark.
+# tokens, speed at SmolLM2-135M's shape with random weights, where a decode step's time goes), then
+# the kernel benchmark.
 # Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most ~8 minutes (each step
 # has its own time limit); exits non-zero when a step fails.
 #

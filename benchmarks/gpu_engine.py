@@ -18,6 +18,11 @@ read, never its weights.
    in bfloat16: N prompts x 256 tokens -> 128 output tokens each (ignore_eos), our engine against
    transformers' batched greedy `generate`, output tokens per second and the ratio.
 
+3. Where a decode step's time goes (`--parts profile`): N sequences of SmolLM2-135M's shape in
+   steady decode, the wall time of a step against the GPU's busy time in it (torch.profiler), the
+   kernels launched per step and the host ops that cost most. A step far longer than the GPU's
+   busy time is bound by the host (launches, Python), not by the kernels.
+
 `--device cpu` runs the same on the CPU (our C++ kernels), as a dry run of the script.
 """
 
@@ -194,12 +199,87 @@ def speed_check(model_dir: Path, device: str, tmp: Path, batches: list[int]) -> 
     return rows
 
 
+def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: int = 10) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    path = tmp / "smollm2-shape"
+    if not path.exists():
+        from transformers import AutoConfig
+
+        make_model(AutoConfig.from_pretrained(model_dir), path, model_dir, seed=0, dtype=torch.bfloat16)
+    llm = ours(path, device, "bfloat16", max_num_seqs=batch, enable_prefix_caching=False, kv_cache_memory="4GiB")
+    engine = llm.engine
+    rng = random.Random(5)
+    for _ in range(batch):
+        prompt = [rng.randrange(100, 49000) for _ in range(256)]
+        engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while len(engine.step()) < batch:  # prefill, chunk by chunk, until every sequence decodes
+        pass
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        by_kernel.setdefault(e.name, []).append(e.device_time / 1e3)
+    top_kernels = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:8]
+    host = prof.key_averages()
+    top_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]
+    row = {
+        "batch": batch,
+        "steps": steps,
+        "wall_ms_per_step": wall_ms,
+        "gpu_busy_ms_per_step": busy_ms,
+        "kernels_per_step": len(kernels) / steps,
+        "top_kernels": [
+            {"name": n[:80], "count_per_step": len(t) / steps, "ms_per_step": sum(t) / steps} for n, t in top_kernels
+        ],
+        "top_host_ops": [
+            {
+                "name": e.key[:80],
+                "calls_per_step": e.count / steps,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            }
+            for e in top_host
+        ],
+    }
+    print(
+        f"profile batch {batch:>3}: {wall_ms:.2f} ms a decode step (no profiler), GPU busy {busy_ms:.2f} ms of it, "
+        f"{row['kernels_per_step']:.0f} kernels a step",
+        flush=True,
+    )
+    for k in row["top_kernels"]:
+        print(f"  kernel {k['ms_per_step']:7.3f} ms/step {k['count_per_step']:6.0f}x  {k['name']}")
+    for h in row["top_host_ops"]:
+        print(f"  host   {h['self_cpu_ms_per_step']:7.3f} ms/step {h['calls_per_step']:6.0f}x  {h['name']}")
+    return row
+
+
+def ints(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                     help="SmolLM2-135M's directory: its tokenizer and config.json (weights are not read)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes for the speed part")
+    ap.add_argument("--parts", default="tokens,speed,profile", help="which parts to run: tokens, speed, profile")
+    ap.add_argument("--profile-batches", default="1,64", help="comma-separated batch sizes for the profile part")
     ap.add_argument("--json", dest="json_path", help="write every row here")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -220,19 +300,33 @@ def main() -> None:
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu-engine-") as tmp:
         # each part on its own: a failure in one still leaves the other's figures (a GPU lease is short)
-        try:
-            result["tokens"], ok = tokens_check(args.model_dir, args.device, Path(tmp))
-        except Exception:
-            traceback.print_exc()
-            result["tokens_error"], ok = traceback.format_exc(limit=-8), False
-        if args.json_path:
-            Path(args.json_path).write_text(json.dumps(result, indent=1))
-        batches = [int(b) for b in args.batches.split(",") if b]
-        try:
-            result["speed"] = speed_check(args.model_dir, args.device, Path(tmp), batches)
-        except Exception:
-            traceback.print_exc()
-            result["speed_error"], ok = traceback.format_exc(limit=-8), False
+        parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+        unknown = parts - {"tokens", "speed", "profile"}
+        if unknown:
+            sys.exit(
+                f"benchmarks/gpu_engine.py: unknown part(s) {', '.join(sorted(unknown))}: use tokens, speed, profile"
+            )
+        runs = {
+            "tokens": lambda: tokens_check(args.model_dir, args.device, Path(tmp)),
+            "speed": lambda: speed_check(args.model_dir, args.device, Path(tmp), ints(args.batches)),
+            "profile": lambda: [
+                profile_decode(args.model_dir, args.device, Path(tmp), b) for b in ints(args.profile_batches)
+            ],
+        }
+        for name in ("tokens", "speed", "profile"):
+            if name not in parts:
+                continue
+            try:
+                if name == "tokens":
+                    result["tokens"], tokens_ok = runs[name]()
+                    ok = ok and tokens_ok
+                else:
+                    result[name] = runs[name]()
+            except Exception:
+                traceback.print_exc()
+                result[f"{name}_error"], ok = traceback.format_exc(limit=-8), False
+            if args.json_path:
+                Path(args.json_path).write_text(json.dumps(result, indent=1))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_path}")

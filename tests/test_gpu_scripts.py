@@ -3,7 +3,7 @@
 CI has no GPU, and a GPU is lent to few sessions: a script that rotted between two leases would
 waste one. Its `--device cpu` mode runs the same code (our C++ kernels instead of Triton), so
 here it must still run to the end, find the float32 tokens equal to transformers' through the
-prefix cache, and write its speed rows.
+prefix cache, and write its speed and profile rows.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_engine_check_runs_on_the_cpu_and_finds_the_tokens_equal(smollm2_dir, tmp_path):
     out = tmp_path / "engine.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_engine.py"), "--device", "cpu", "--batches", "2",
-           "--model-dir", str(smollm2_dir), "--json", str(out)]  # fmt: skip
+           "--profile-batches", "2", "--model-dir", str(smollm2_dir), "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -32,6 +32,9 @@ def test_the_gpu_engine_check_runs_on_the_cpu_and_finds_the_tokens_equal(smollm2
     (speed,) = result["speed"]
     assert speed["batch"] == 2 and speed["ours_tok_s"] > 0 and speed["transformers_tok_s"] > 0
     assert "equal to transformers: 16/16 first pass" in proc.stdout
+    (profile,) = result["profile"]  # where a decode step's time goes: the step, and our ops in it
+    assert profile["batch"] == 2 and profile["wall_ms_per_step"] > 0
+    assert any(op["name"].startswith("kvtop_cpu::") for op in profile["top_host_ops"])
 
 
 def test_the_gpu_engine_check_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):
