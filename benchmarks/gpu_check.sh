@@ -3,7 +3,7 @@
 # interpreter), the engine end to end against transformers on the GPU (benchmarks/gpu_engine.py:
 # tokens, speed at SmolLM2-135M's shape with random weights, where a decode step's time goes), then
 # the kernel benchmark.
-# Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most ~8 minutes (each step
+# Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most ~9 minutes (each step
 # has its own time limit); exits non-zero when a step fails.
 #
 #     benchmarks/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
@@ -51,7 +51,7 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel tests failed (exit $rc)"; status=1; }
 
 echo "== python benchmarks/gpu_engine.py"
-timeout 150 "$py" benchmarks/gpu_engine.py ${MODEL_DIR:+--model-dir "$MODEL_DIR"} --json "$out/engine.json" 2>&1 |
+timeout 180 "$py" benchmarks/gpu_engine.py ${MODEL_DIR:+--model-dir "$MODEL_DIR"} --json "$out/engine.json" 2>&1 |
     grep -v -e "Loading weights" -e "Writing model shards" | tee "$out/engine.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: engine check failed (exit $rc)"; status=1; }
