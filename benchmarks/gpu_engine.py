@@ -230,19 +230,32 @@ def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: i
         for _ in range(steps):
             engine.step()
         sync(device)
+    row = summarize_profile(prof, batch, steps, wall_ms)
+    print(
+        f"profile batch {batch:>3}: {wall_ms:.2f} ms a decode step (no profiler), "
+        f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms of it, {row['kernels_per_step']:.0f} kernels a step",
+        flush=True,
+    )
+    for k in row["top_kernels"]:
+        print(f"  kernel {k['ms_per_step']:7.3f} ms/step {k['count_per_step']:6.0f}x  {k['name']}")
+    for h in row["top_host_ops"]:
+        print(f"  host   {h['self_cpu_ms_per_step']:7.3f} ms/step {h['calls_per_step']:6.0f}x  {h['name']}")
+    return row
+
+
+def summarize_profile(prof, batch: int, steps: int, wall_ms: float) -> dict:
+    """Per step: the GPU's busy time and kernel count, the costliest kernels and host ops."""
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
     by_kernel: dict[str, list[float]] = {}
     for e in kernels:
         by_kernel.setdefault(e.name, []).append(e.device_time / 1e3)
     top_kernels = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:8]
-    host = prof.key_averages()
-    top_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]
-    row = {
+    top_host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    return {
         "batch": batch,
         "steps": steps,
         "wall_ms_per_step": wall_ms,
-        "gpu_busy_ms_per_step": busy_ms,
+        "gpu_busy_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
         "top_kernels": [
             {"name": n[:80], "count_per_step": len(t) / steps, "ms_per_step": sum(t) / steps} for n, t in top_kernels
@@ -256,16 +269,6 @@ def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: i
             for e in top_host
         ],
     }
-    print(
-        f"profile batch {batch:>3}: {wall_ms:.2f} ms a decode step (no profiler), GPU busy {busy_ms:.2f} ms of it, "
-        f"{row['kernels_per_step']:.0f} kernels a step",
-        flush=True,
-    )
-    for k in row["top_kernels"]:
-        print(f"  kernel {k['ms_per_step']:7.3f} ms/step {k['count_per_step']:6.0f}x  {k['name']}")
-    for h in row["top_host_ops"]:
-        print(f"  host   {h['self_cpu_ms_per_step']:7.3f} ms/step {h['calls_per_step']:6.0f}x  {h['name']}")
-    return row
 
 
 def ints(text: str) -> list[int]:
