@@ -15,6 +15,7 @@ import pytest
 from engine.snapshot import read_snapshot
 from kvtop.client import EngineClient
 from kvtop.dashboard.app import KvtopApp
+from kvtop.dashboard.messages import FrameArrived, SourceLost
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.confirm import ConfirmScreen
 from kvtop.dashboard.widgets.dashboard import Dashboard
@@ -269,6 +270,23 @@ async def test_evict_the_prefix_cache(server: Engine):
             return any(e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.source.events())
 
         await until(pilot, evicted, "the prefix-cache eviction event")
+
+
+@pytest.mark.anyio
+async def test_a_frame_landing_before_the_dashboard_is_mounted_does_not_end_kvtop(server: Engine):
+    """The first poll can race the first layout: its frame (or a lost connection) then finds no
+    dashboard to mark. Seen once in CI as NoMatches ending the app; here the dashboard is taken
+    away and both messages arrive: kvtop must keep running and keep polling."""
+    app = live_app(server)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source.current is not None, "a first frame")
+        await app.query_one(Dashboard).remove()
+        app.post_message(SourceLost("the engine went away", time.time(), 0.2))
+        app.post_message(FrameArrived(app.source.current))
+        await pilot.pause(0.3)
+        step = app.source.current["engine"]["step"]
+        await until(pilot, lambda: app.source.current["engine"]["step"] > step, "polling to go on")
+        assert app.is_running and app.poll_error is None
 
 
 @pytest.mark.anyio

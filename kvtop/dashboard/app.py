@@ -188,7 +188,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         if not self.screen_stack:  # a poll that lands while the app closes: nothing to draw on
             return
         self.poll_error = None
-        self.base.query_one(Dashboard).remove_class("-stale")
+        self._mark_stale(False)
         self.redraw()
         self._schedule(self.source.next_delay())
 
@@ -205,9 +205,17 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         if not self.screen_stack:
             return
         self.poll_error = message.error
-        self.base.query_one(Dashboard).add_class("-stale")
+        self._mark_stale(True)
         self.redraw()
         self._schedule(message.retry_in)
+
+    def _mark_stale(self, stale: bool) -> None:
+        """Grey the dashboard out while its source is lost. A frame can land before the dashboard is
+        mounted (the first poll racing the first layout): then there is nothing to mark yet, and the
+        poll goes on (a query_one here once ended the app with NoMatches)."""
+        dashboards = self.base.query(Dashboard)
+        if dashboards:
+            dashboards.first().set_class(stale, "-stale")
 
     @on(LayoutRebuilt)
     def _rebuilt(self) -> None:
