@@ -67,17 +67,19 @@ class ModelRunner:
                 [c - num_decodes for c in cu[num_decodes:]], dtype=torch.int32, device=dev
             ),
         )
+        # a prompt's rows before its last feed only the KV: the last layer computes the sampling rows
+        every_row = len(sample_rows) == len(input_ids)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             attn,
             self.kv.layers,
             self.kernels,
+            None if every_row else torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )
         if not sample_rows:
             return hidden.new_empty(0, self.model.spec.vocab_size), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return logits, sample_idx
+        return self.model.compute_logits(hidden), sample_idx
 
 
 def _tables(seqs, device) -> torch.Tensor | None:

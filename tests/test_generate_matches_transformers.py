@@ -49,6 +49,45 @@ def test_chunked_prefill_matches_unchunked(tiny_dir):
     ]
 
 
+def test_a_prefill_step_computes_the_last_layer_only_for_the_rows_that_sample(tiny_dir):
+    """Prompt rows before a sequence's last feed only the KV cache, so the runner asks the last
+    layer for the sampling rows alone; their logits must be those of the whole forward, and a
+    chunk that samples nothing still stores its KV (the tokens after it match: see above)."""
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+    engine = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="1MiB", enable_prefix_caching=False, quiet=True).engine
+    model, runner = engine.model, engine.runner
+    lengths, seqs = [5, 40, 17], []
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"rows-{i}", random_prompts(1, (n, n), seed=20 + i)[0], SamplingParams(max_tokens=1))
+        seq.block_table = list(range(4 * i, 4 * i + 4))
+        seqs.append(seq)
+    full: list[torch.Tensor] = []
+    returned: list[tuple[int, ...]] = []
+    original = model.forward
+
+    def every_row(*args):  # the same step with the last layer over every row, kept for the check
+        full.append(original(*args[:5]))
+        hidden = original(*args)
+        returned.append(tuple(hidden.shape))
+        return hidden
+
+    model.forward = every_row
+    try:
+        logits, idx = runner.execute(ScheduledBatch(seqs=seqs, num_new_tokens=lengths))
+    finally:
+        del model.forward
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    assert idx == [0, 1, 2]
+    assert returned == [(3, model.spec.hidden_size)]  # not 62 rows
+    assert torch.equal(logits, model.compute_logits(full[0][ends]))
+    for seq in seqs:
+        seq.num_computed_tokens = 0
+    logits, idx = runner.execute(ScheduledBatch(seqs=seqs[1:2], num_new_tokens=[30]))  # mid-prompt
+    assert idx == [] and logits.shape[0] == 0
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_llm, smollm2_hf):
     tok = smollm2_llm.tokenizer
