@@ -183,6 +183,41 @@ def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
     assert len(read_snapshot(out).frames) >= answered - 1 >= 4
 
 
+def test_a_stop_that_lands_in_a_finalizer_still_stops_the_recording(vllm_pages):
+    """Python runs a signal handler wherever the main thread is, a finalizer included, and drops an
+    exception raised there: Ctrl-C as a KeyboardInterrupt was lost that way once in CI and the
+    recording went on for good. The handler only sets a flag, which no finalizer can swallow."""
+    from kvtop.ctl.record import _stop_on_signals
+    from kvtop.sources.recorder import Recording
+
+    url, _ = vllm_pages
+    source = MetricsSource(url, interval=0.05)
+    rec = Recording(source, interval=0.05, duration=None)
+
+    class Finalizer:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # its handler runs here, inside __del__
+
+    ticks: list[int] = []
+
+    def on_tick(r: Recording) -> None:
+        ticks.append(len(r.frames))
+        if len(ticks) == 3:
+            Finalizer()  # made and dropped at once: __del__ runs now
+        assert len(ticks) < 40, "the stop was lost: the recording goes on"
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    _stop_on_signals(rec)
+    try:
+        rec.first()
+        rec.run(on_tick)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+        source.close()
+    assert rec.stopped and ticks == [2, 3, 4]  # the frame of the tick it landed in is kept
+
+
 def test_kvctl_record_from_our_own_server_agrees_with_its_stats(tiny_dir, tmp_path):
     server = start_server(tiny_dir, "--kv-cache-memory", "1MiB", "--max-num-seqs", "4")
     try:

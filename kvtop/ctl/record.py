@@ -69,15 +69,18 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _interrupt(signum, frame) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def _stop_on_signals() -> None:
+def _stop_on_signals(rec: Recording) -> None:
     """Ctrl-C and SIGTERM stop the recording and keep it, even where the shell that started kvctl
-    in the background left SIGINT ignored (a non-interactive shell does that to `cmd &`)."""
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    in the background left SIGINT ignored (a non-interactive shell does that to `cmd &`). The handler
+    only sets the recording's flag: a KeyboardInterrupt raised from it could land in a finalizer,
+    where Python drops it (seen once in CI: a SIGINT'd recording went on for 30 s). A scrape under way
+    still ends first (SCRAPE_TIMEOUT_S at most)."""
+
+    def stop(signum, frame) -> None:
+        rec.stop()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _fail(message: str) -> NoReturn:
@@ -123,18 +126,15 @@ def record_command(
     until = f"for {seconds:g} s" if seconds else "until Ctrl-C"
     print(f"recording {source.url} {until}, every {every:g} s, into {output} (Ctrl-C stops and keeps what was recorded)",
           file=sys.stderr, flush=True)  # fmt: skip
-    stopped = False
-    _stop_on_signals()
+    _stop_on_signals(rec)
     try:
         rec.run(progress)
-    except KeyboardInterrupt:
-        stopped = True
     finally:
         progress.end()
         source.close()
     written = rec.save(output, source_meta(source, reason), force=force)
     span = rec.frames[-1]["ts"] - rec.frames[0]["ts"]
-    how = "stopped: " if stopped else ""
+    how = "stopped: " if rec.stopped else ""
     print(f"{how}{len(rec.frames)} frames over {span:.0f} s"
           + (f" ({rec.misses} scrapes failed)" if rec.misses else ""), file=sys.stderr)  # fmt: skip
     print(written)

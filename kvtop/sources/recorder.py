@@ -24,6 +24,7 @@ from engine.snapshot import SnapshotError, SnapshotExists, check_target, write_s
 from kvtop.sources.base import FrameSource, SourceUnavailable
 
 MAX_FRAMES = 100_000  # a recording without --duration keeps the newest: about 28 hours at one a second
+STOP_CHECK_S = 0.1  # how often a waiting recording looks whether it was stopped (Ctrl-C)
 
 
 @dataclass
@@ -99,7 +100,8 @@ def record_frames(
 class Recording:
     """Polls `source` every `interval` seconds for `duration` seconds (None: until stopped),
     keeping the frames read (`frames`, the newest MAX_FRAMES) and the scrapes that failed
-    (`misses`, `last_error`). Interrupting `run` (Ctrl-C) leaves what was read in `frames`."""
+    (`misses`, `last_error`). `stop()` (safe from a signal handler: it only sets a flag) ends `run`
+    within a tenth of a second, or when the scrape under way returns; what was read stays in `frames`."""
 
     def __init__(self, source: FrameSource, *, interval: float = 1.0, duration: float | None = 60.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
@@ -115,6 +117,12 @@ class Recording:
         self.last_error: str | None = None
         self._clock, self._sleep = clock, sleep
         self.started: float | None = None
+        self.stopped = False
+
+    def stop(self) -> None:
+        """End `run` at its next check. Only a flag: a handler that raised KeyboardInterrupt instead
+        could land inside a finalizer, where Python drops it, and the recording went on for good."""
+        self.stopped = True
 
     @property
     def elapsed(self) -> float:
@@ -135,7 +143,9 @@ class Recording:
             self.started = self._clock()
         due = self.started + self.interval
         while self.duration is None or due <= self.started + self.duration + 1e-9:
-            self._sleep(max(0.0, due - self._clock()))
+            self._wait_until(due)
+            if self.stopped:
+                return
             due += self.interval
             try:
                 frame = self.source.poll()
@@ -149,6 +159,14 @@ class Recording:
             if on_tick is not None:
                 on_tick(self)
             due = max(due, self._clock())  # a slow scrape delays the next one, it never bunches them up
+
+    def _wait_until(self, due: float) -> None:
+        """Sleep until `due` in slices of STOP_CHECK_S, so that `stop()` is seen soon whatever the interval."""
+        while not self.stopped:
+            left = due - self._clock()
+            if left <= 0:
+                return
+            self._sleep(min(left, STOP_CHECK_S))
 
     def save(self, path: str | Path, meta: RecordMeta, *, force: bool = False) -> Path:
         """Write what was recorded. A file that appeared at `path` meanwhile is not replaced (without
