@@ -26,6 +26,9 @@ other way round, ...), so that each engine has runs spread over the same stretch
 gives each engine's best and median tok/s over all its runs and the ratios of both.
 
     .venv/bin/python benchmarks/peers.py --dtype bfloat16 --workload fixed --rounds 3 --repeats 2
+
+`--kv-cache-dtype int8` (or fp8_e4m3) runs ours with a quantized KV cache while the peers keep the
+model's dtype: the trade side by side, its speed in the ratios and its accuracy in the agreement column.
 """
 
 from __future__ import annotations
@@ -95,13 +98,15 @@ def ours_generator(spec: dict):
     from engine import LLM, SamplingParams
 
     llm = LLM("smollm2-135m", dtype=spec["dtype"], kv_cache_memory=f"{spec['kv_gib']}GiB",
-              attention_backend=spec["attention_backend"], enable_prefix_caching=False, quiet=True)  # fmt: skip
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), attention_backend=spec["attention_backend"],
+              enable_prefix_caching=False, quiet=True)  # fmt: skip
 
     def generate(prompts, out_lens):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
         return [o.token_ids for o in llm.generate(prompts, params)]
 
-    return generate, {"attention_backend": llm.stats()["engine"]["attention_backend"]}
+    stats = llm.stats()
+    return generate, {"attention_backend": stats["engine"]["attention_backend"], "kv_cache_dtype": stats["kv"]["dtype"]}
 
 
 def vllm_generator(spec: dict):
@@ -266,7 +271,8 @@ def offline(args) -> list[dict]:
                     continue
                 spec = {"dtype": dtype, "model_dir": model_dir, "kv_gib": args.kv_gib, "workloads": loads,
                         "warmup": (warm[0], [8] * 4), "attention_backend": args.attention_backend,
-                        "enforce_eager": args.enforce_eager, "repeats": args.repeats}  # fmt: skip
+                        "enforce_eager": args.enforce_eager, "repeats": args.repeats,
+                        "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
                 where = f"round {rnd + 1}/{args.rounds} " if args.rounds > 1 else ""
                 what = f"{', '.join(loads)} × {args.repeats}"
                 print(f"{where}{dtype} {kind}: running ({what})…", file=sys.stderr, flush=True)
@@ -274,6 +280,8 @@ def offline(args) -> list[dict]:
                 results.append(r)
                 print(f"  {'failed: ' + r['error'][-300:] if 'error' in r else 'done'}", file=sys.stderr, flush=True)
     results = merge_rounds(results)
+    if args.kv_cache_dtype != "auto":
+        print(f"\nours: the KV cache in {args.kv_cache_dtype} (the peers keep the model's dtype)")
     print_table(results)
     return results
 
@@ -297,6 +305,8 @@ def main() -> None:
     )
     ap.add_argument("--kv-gib", type=int, default=3, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--attention-backend", default="cpu", help="ours: cpu (default), reference, auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                    help="ours: a quantized KV cache, to measure the trade (the peers keep the model's dtype)")  # fmt: skip
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one engine's process")
     ap.add_argument("--serving", action="store_true", help="kvctl bench against kvctl serve, then vLLM's server")
