@@ -88,6 +88,30 @@ def test_a_prefill_step_computes_the_last_layer_only_for_the_rows_that_sample(ti
     assert idx == [] and logits.shape[0] == 0
 
 
+def test_a_one_token_prompt_chunk_among_decodes_samples_nothing(tiny_dir):
+    """With one token of budget left, a prompt's chunk can be a single token mid-prompt: the step is
+    all one-token rows (the fused decode op on the CPU), yet that row samples nothing. Its output
+    must not reach the sampler: one logit row too many ended the engine's step."""
+    short = random_prompts(15, (1, 1), seed=1)
+    long = random_prompts(1, (20, 20), seed=2)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    roomy = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="4MiB", enable_prefix_caching=False, quiet=True)
+    expected = [o.token_ids for o in roomy.generate([*short, long], params)]
+    tight = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+                max_num_seqs=32, enable_prefix_caching=False, quiet=True)  # fmt: skip
+    engine, done = tight.engine, {}
+    for i, prompt in enumerate(short):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    for step in range(60):
+        if step == 3:  # 15 decodes + 1 token of budget: the long prompt's first chunk is one token
+            engine.add_request(long, params, request_id="long")
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished():
+            break
+    assert [done[f"r{i}"] for i in range(15)] + [done["long"]] == expected
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_llm, smollm2_hf):
     tok = smollm2_llm.tokenizer

@@ -124,12 +124,14 @@ class CausalLM(nn.Module):
             self.fused_kernels, self.fused = kernels, fused_decode_for(self, kernels)
         if self.fused is not None and self.fused.covers(x, batch, kv_layers):
             x, residual = self.fused(x, cos, sin, batch, kv_layers)
+            if out_rows is not None:  # a prompt's one-token chunk mid-prompt rode with the decodes
+                x, residual = x[out_rows], residual[out_rows]
         else:
             last = len(self.layers) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_layers, strict=True)):
                 x, residual = layer(x, residual, cos, sin, batch, kv, kernels, out_rows if i == last else None)
-            if x.shape[0] == 0:
-                return x
+        if x.shape[0] == 0:
+            return x
         return kernels.fused_add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
