@@ -81,7 +81,9 @@ def test_a_prefill_step_computes_the_last_layer_only_for_the_rows_that_sample(ti
     ends = torch.tensor(lengths).cumsum(0) - 1
     assert idx == [0, 1, 2]
     assert returned == [(3, model.spec.hidden_size)]  # not 62 rows
-    assert torch.equal(logits, model.compute_logits(full[0][ends]))
+    # the same rows' logits (equal bits where a row's sums do not depend on the call's row count, as
+    # in our panel kernels; other BLAS may block 3 rows and 62 differently)
+    torch.testing.assert_close(logits, model.compute_logits(full[0][ends]), rtol=1e-6, atol=1e-6)
     for seq in seqs:
         seq.num_computed_tokens = 0
     logits, idx = runner.execute(ScheduledBatch(seqs=seqs[1:2], num_new_tokens=[30]))  # mid-prompt
