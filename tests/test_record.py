@@ -183,6 +183,32 @@ def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
     assert len(read_snapshot(out).frames) >= answered - 1 >= 4
 
 
+def test_ctrl_c_before_a_slow_engine_answers_says_so_in_one_line(tmp_path):
+    """A careless Ctrl-C while the engine has not answered the first scrape: one line, exit 130, no
+    traceback and no file (it used to exit 130 without a word)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    listener.settimeout(60)
+    out = tmp_path / "never.kvsnap"
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        conn, _ = listener.accept()  # the first scrape is under way
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+        conn.close()
+    finally:
+        proc.kill()
+        listener.close()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [
+        f"kvctl: stopped before {url}/metrics answered: nothing recorded, nothing written"
+    ]
+    assert not out.exists()
+
+
 def test_a_stop_that_lands_in_a_finalizer_still_stops_the_recording(vllm_pages):
     """Python runs a signal handler wherever the main thread is, a finalizer included, and drops an
     exception raised there: Ctrl-C as a KeyboardInterrupt was lost that way once in CI and the

@@ -83,11 +83,11 @@ def _stop_on_signals(rec: Recording) -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, code: int = 1) -> NoReturn:
     """One line on stderr and exit status 1, as kvctl's other errors (the CLI module may run as __main__,
     so its error class is not the one this module would import)."""
     Console(stderr=True).print(f"[red]kvctl:[/red] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def record_command(
@@ -123,6 +123,9 @@ def record_command(
     except SourceUnavailable as exc:
         source.close()
         _fail(f"cannot read {source.url}: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C while a slow engine had not answered yet: 130, as a shell reports it
+        source.close()
+        _fail(f"stopped before {source.url} answered: nothing recorded, nothing written", code=130)
     until = f"for {seconds:g} s" if seconds else "until Ctrl-C"
     print(f"recording {source.url} {until}, every {every:g} s, into {output} (Ctrl-C stops and keeps what was recorded)",
           file=sys.stderr, flush=True)  # fmt: skip
