@@ -43,11 +43,13 @@ def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64, 67, 300, 1100])  # 8-row blocks, 64-row items
-# SmolLM2's qkv (bias), logits, down (K in several passes); N that pads; a short panel only; K=2
+# SmolLM2's qkv (bias), logits, down; N that pads; a short panel only; K=2; K in three passes of up to
+# 1,536, the bias added once
 @pytest.mark.parametrize(
     "shape",
-    [(960, 576, True), (49152, 576, False), (576, 1536, False), (100, 70, True), (33, 200, True), (50, 2, False)],
-)
+    [(960, 576, True), (49152, 576, False), (576, 1536, False), (100, 70, True), (33, 200, True), (50, 2, False),
+     (50, 3100, True)],
+)  # fmt: skip
 def test_bf16_panel_layer_rounds_the_exact_product_once(rows, shape):
     out_features, in_features, bias = shape
     linear = _linear(out_features, in_features, bias)
