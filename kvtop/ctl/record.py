@@ -84,8 +84,8 @@ def _stop_on_signals(rec: Recording) -> None:
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    """One line on stderr and exit status 1, as kvctl's other errors (the CLI module may run as __main__,
-    so its error class is not the one this module would import)."""
+    """One line on stderr and exit status `code` (1, as kvctl's other errors; 130 after a Ctrl-C). The CLI
+    module may run as __main__, so its error class is not the one this module would import."""
     Console(stderr=True).print(f"[red]kvctl:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 

@@ -120,8 +120,8 @@ class Recording:
         self.stopped = False
 
     def stop(self) -> None:
-        """End `run` at its next check. Only a flag: a handler that raised KeyboardInterrupt instead
-        could land inside a finalizer, where Python drops it, and the recording went on for good."""
+        """End `run` at its next check. Only a flag, so a signal handler may call it (kvtop/ctl/record.py
+        says why that matters)."""
         self.stopped = True
 
     @property
