@@ -7,7 +7,7 @@ between regions: each region then wakes its worker through a futex and waits for
 engine thread (a second): on a 2-core machine every kernel of every step paid that wake-up. Measured
 with `kvctl bench --num-prompts 32 --input-len 256 --output-len 128 --max-concurrency 16`, bf16
 SmolLM2, two servers alternated four times: 309 → 474 output tok/s, ITL P50 44 → 27.5 ms, TTFT P50
-648 → 572 ms, once the main thread's pool is released after the warm-up (benchmarks/README.md).
+648 → 572 ms, once the main thread's pool is released after the warm-up (benchmarks/HISTORY.md).
 
 `release_thread_pool()` frees the calling thread's pool with OpenMP 5.0's `omp_pause_resource_all`
 on the libgomp this process has loaded (torch's). Elsewhere (another OpenMP runtime, none loaded)

@@ -4,7 +4,7 @@ The first forward at the full token budget is the first time the process allocat
 that size: glibc maps each big tensor fresh (page faults on every page) until its dynamic mmap
 threshold has grown past them, and the kernels touch their buffers for the first time. On the
 2-core CPU machine, the first load of 16 streams of 256-token prompts after a start had a TTFT P50
-of 1.98 s without the warm-up and 1.60 s with it (medians over five starts each; benchmarks/README.md,
+of 1.98 s without the warm-up and 1.60 s with it (medians over five starts each; benchmarks/HISTORY.md,
 "Warm-up before serving"). vLLM pays the same costs in its start-up profile run.
 
 `warm_up` runs one prefill at the engine's token budget and one decode step over the same sequences

@@ -34,7 +34,7 @@ copy; `weight.to_dense()` reads it back), and it is right for any number of rows
 given at pack time being only a layout hint that measured within noise from 1 to 2,048 rows. MKL's
 packed fp32 GEMM (`torch.ops.mkl._mkl_linear`) was measured too and left out: it is packed for one
 row count only (any other runs the plain GEMM on the original weight, so it needs both copies) and
-gained little more than oneDNN at that count (benchmarks/README.md, "Prepacked linear layers").
+gained little more than oneDNN at that count (benchmarks/HISTORY.md, "Prepacked linear layers").
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class AMXGateUp(AMXLinear):
     [rows, 2I] output is never written nor read back. Bit for bit `silu_and_mul(forward(x))` on the cpu
     kernels; `forward` still gives the dense [gate, up] order. No oneDNN prefill copy (`large` is
     ignored): SmolLM2's gate/up + SiLU-and-mul, 30 layers at 2,048 rows, 90 ms fused against 117-119
-    through oneDNN's copy and the separate op (benchmarks/README.md, "Ninth pass"). 2I must be a
+    through oneDNN's copy and the separate op (benchmarks/HISTORY.md, "Ninth pass"). 2I must be a
     multiple of 32 (`fits`)."""
 
     @staticmethod

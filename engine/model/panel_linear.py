@@ -7,12 +7,12 @@ matmul become `PanelLinear`: the weight packed once as panels of 48 output colum
 the weight on every call and, at a decode step's 16-64 rows with the weights coming from DRAM, left
 the FMA units idle while they streamed: SmolLM2-135M's linears (benchmarks/linear.py --dtype
 float32) 1.5-1.7x faster at 4-16 rows, 1.35-1.4x at 64, even from 256 rows to a 2,048-token
-prefill, 0.9-1.0x at one row (MKL's GEMV) (benchmarks/README.md, "Tenth pass").
+prefill, 0.9-1.0x at one row (MKL's GEMV) (benchmarks/HISTORY.md, "Tenth pass").
 
 bf16, on AVX512-BF16 without AMX (AMD Zen 4): the same panels with K in pairs ([ceil(N/48), K/2,
 48, 2], VDPBF16PS's operand), engine/kernels/csrc/bf16_gemm.cpp, in place of oneDNN's packed GEMM
 (`packed_linear.packed_linear` chooses; AMX, where the CPU has it, comes first): 1.3-1.6x oneDNN at
-1-16 rows, about even from 64 (both near the two cores' VDPBF16PS peak) (benchmarks/README.md,
+1-16 rows, about even from 64 (both near the two cores' VDPBF16PS peak) (benchmarks/HISTORY.md,
 "Twelfth pass").
 
 The panels replace the original (one copy); a tied embedding looks its rows up in the head's

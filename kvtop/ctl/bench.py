@@ -166,7 +166,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 SCRAPE_TIMEOUT = 5.0  # seconds for one /metrics scrape while the load runs
 # A scrape costs a kvtop server ~4-8 ms of CPU under the GIL its engine thread needs: at 10 a
-# second the load tool itself cost the server ~10 % of its throughput and TTFT (benchmarks/README.md).
+# second the load tool itself cost the server ~10 % of its throughput and TTFT (benchmarks/HISTORY.md).
 SCRAPE_INTERVAL = 1.0
 
 

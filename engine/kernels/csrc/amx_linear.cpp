@@ -3,7 +3,7 @@
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight of the model,
 // so it is bound by how fast the weights stream from memory. oneDNN's packed bf16 GEMM reads them at
 // 7-14 GB/s for 1..64 rows on a 2-core Sapphire Rapids whose memory gives 30-38 GB/s (MKL's fp32
-// GEMV reaches that): benchmarks/linear.py, and benchmarks/README.md's "Decode-step linears". Here the weight is laid out once as the
+// GEMV reaches that): benchmarks/linear.py, and benchmarks/HISTORY.md's "Decode-step linears". Here the weight is laid out once as the
 // AMX B tiles in the exact order the kernel reads them (one sequential stream per 32 output columns),
 // and each tile is multiplied by every 16-row A tile of the activations while it is in L1.
 //
@@ -22,7 +22,7 @@
 //
 // Each 32 x 32 block's result is rounded and written out while the next block multiplies (see Pending).
 // Outputs are written with plain stores: non-temporal ones for large outputs helped while the epilogue
-// stalled the tiles (benchmarks/README.md, "Fifth pass"); with the epilogue in the tiles' shadow they
+// stalled the tiles (benchmarks/HISTORY.md, "Fifth pass"); with the epilogue in the tiles' shadow they
 // measured slower (1,024-token prefill steps 180 vs 164 ms; "Ninth pass").
 
 #include <ATen/Parallel.h>
@@ -70,7 +70,7 @@ using kvtop_amx::release_tiles;
 // A finished 32 x 32 fp32 block waiting to be rounded to bf16 and written out. Its rows are written
 // a few at a time during the next block's K loop (AVX-512 work in the shadow of the tile multiplies,
 // which otherwise sat idle through every epilogue): SmolLM2's projections at 2,048 rows, two threads,
-// 2.46 -> 2.81 TFLOP/s in a standalone copy of this loop (benchmarks/README.md, "Ninth pass").
+// 2.46 -> 2.81 TFLOP/s in a standalone copy of this loop (benchmarks/HISTORY.md, "Ninth pass").
 struct Pending {
   const float* acc = nullptr;  // row stride 32 floats
   int64_t rows = 0, done = 0;

@@ -11,7 +11,7 @@
 // of kKC; partial sums stay in fp32 in a contiguous buffer, the output is rounded to bf16 once, as
 // c10 rounds (nearest even). SmolLM2's linears against oneDNN's: 1.5-1.6x at 1-4 rows, 1.3x at 16,
 // 1.1x at 64, 0.92-0.95x from 256 rows, where both are near the cores' VDPBF16PS peak (one 512-bit
-// instruction a cycle: ~410 GFLOP/s on two cores; ours ~390) (benchmarks/README.md, "Twelfth pass").
+// instruction a cycle: ~410 GFLOP/s on two cores; ours ~390) (benchmarks/HISTORY.md, "Twelfth pass").
 // Sums run in another order than oneDNN's: results agree to one bf16 rounding of the exact product
 // (tests/test_bf16_panels.py), not bit for bit; each output is one fixed sequence of operations, so
 // a row's result does not depend on how many rows the call has.

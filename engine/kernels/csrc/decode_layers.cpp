@@ -4,7 +4,7 @@
 // projections, RoPE, the KV store, attention, SiLU-and-mul). Each costs 10-20 us of interpreter,
 // argument parsing and module calls on the main thread while the other OpenMP worker spins: perf and
 // py-spy on a 64-sequence bf16 decode step put 21 % of the main thread's time outside the kernels, and
-// the worker 34 % in libgomp's barrier (benchmarks/README.md, "Eighth pass"). Here the same kernels
+// the worker 34 % in libgomp's barrier (benchmarks/HISTORY.md, "Eighth pass"). Here the same kernels
 // run in the same order, called through the dispatcher from C++: the results are bit for bit the
 // Python path's (tests/test_decode_layers.py), only the glue between them is gone.
 //
