@@ -1,4 +1,5 @@
-"""Triton paged attention: `store_kv`, `paged_decode_attention`, `paged_prefill_attention`.
+"""Triton paged attention: `store_kv`, `paged_decode_attention`, `paged_prefill_attention`; and
+the decoder layer's element-wise ops, one kernel each (`elementwise.py`).
 
 Same signatures, layouts and quantization conventions as `engine.kernels.reference` (the oracle);
 see its docstring and DESIGN §2–§3. Cache per layer `[num_blocks, block_size, kv_heads, head_dim]`.
@@ -21,15 +22,19 @@ Only positions below a sequence's length are read, from the cache and from its b
 stale blocks and unwritten slots never reach the result. Under `TRITON_INTERPRET=1` (tests on the
 CPU) all arithmetic runs in fp32, since the interpreter has no bf16 arithmetic.
 
+Element-wise ops (`elementwise.py`): `rms_norm`, `fused_add_rms_norm` (the residual add and the
+norm in one kernel), `rotary_embedding` (q and k in place, one launch) and `silu_and_mul`, with the
+reference's signatures and rounding. `engine.kernels.get_backend` serves the reference's torch ops
+in their place when `KVTOP_TRITON_ELEMENTWISE=0`, to compare.
+
 Files: `common.py` (quantization modes; the cache as the kernels take it, `KVPages` and
 `KVStrides`; `_attend`, the online softmax both attention kernels run; host checks), `store.py`,
-`decode.py`, `prefill.py`.
+`decode.py`, `prefill.py`, `elementwise.py`.
 """
 
-# The element-wise ops of the decoder layer stay torch ops on the GPU: the reference's.
-from engine.kernels.reference import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from engine.kernels.triton.common import _INTERPRETER_SMS, Quant, _num_sms
 from engine.kernels.triton.decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, decode_num_splits, paged_decode_attention
+from engine.kernels.triton.elementwise import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from engine.kernels.triton.prefill import paged_prefill_attention
 from engine.kernels.triton.store import store_kv
 
