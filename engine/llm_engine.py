@@ -37,6 +37,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
 from engine.stats import build_frame
 from engine.stopping import stop_reason
+from engine.trace import TraceRecorder, step_shape, trace_header
 from engine.validation import PromptLimits
 
 __all__ = ["TORCH_DTYPES", "LLMEngine", "resolve_device", "resolve_dtype"]  # the first three moved to devices.py
@@ -85,7 +86,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
         if config.kv_cache_dtype == "fp8_e4m3":
             calibrate_fp8(self.runner, self.tokenizer)
-        self.metrics = Metrics()
+        self.metrics, self.trace = Metrics(), TraceRecorder(config.block_size)  # trace: engine/trace.py's rings
         self.generator = torch.Generator().manual_seed(config.seed)
         self.limits = PromptLimits(self.spec.vocab_size, self.max_model_len, self.kv.num_blocks * config.block_size)
         self.max_seq_len = self.limits.max_seq_len
@@ -175,25 +176,16 @@ class LLMEngine:
         token or finished this step."""
         outputs: list[RequestOutput] = []
         with self._lock:
+            start = time.time()
             self._take_inbox(outputs)
             evictions_before = self.block_manager.prefix.evictions
             batch = self.scheduler.schedule()
+            shape, hits = step_shape(batch.seqs, batch.num_new_tokens), [s.num_computed_tokens for s in batch.admitted]
             held = max(batch.peak_held_blocks, self.kv.num_blocks - self.block_manager.num_free)
             self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, held / self.kv.num_blocks)
             now = time.time()
             self._note_prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now)
-            for seq in batch.preempted:
-                if seq.state is SequenceState.SWAPPED:
-                    self.metrics.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
-                else:
-                    self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
-            for seq in batch.swapped_in:
-                self.metrics.event("swapped", seq.seq_id, f"in: {len(seq.block_table)} blocks from the CPU tier")
-            for seq in batch.admitted:
-                if seq.metrics.first_scheduled_time is None:
-                    seq.metrics.first_scheduled_time = now
-                    self.metrics.queue.observe(now - seq.metrics.arrival_time, now)
-                    self.metrics.event("scheduled", seq.seq_id, f"{seq.num_cached_tokens} cached tokens")
+            self._note_schedule(batch, now)
         if not batch:
             return outputs
         t0 = time.perf_counter()
@@ -213,7 +205,7 @@ class LLMEngine:
             return outputs + self._fail_batch(batch, exc)
         elapsed = time.perf_counter() - t0
         with self._lock:
-            self._account(batch, elapsed)
+            self.metrics.account_step(batch, elapsed)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_computed_tokens += n
                 self.block_manager.commit_full_blocks(seq)
@@ -223,6 +215,7 @@ class LLMEngine:
                     continue
                 self._append_token(seq, token, None if logprobs is None else logprobs[j], now)
                 outputs.append(self._output(seq, [token]))
+            self.trace.step(self.step_count, start, now, batch, shape, held, hits)
             self.step_count += 1
             self.metrics.record_step(now)
             usage = 1.0 - self.block_manager.num_free / self.kv.num_blocks
@@ -230,6 +223,21 @@ class LLMEngine:
             if self.state == "draining" and not self.seqs:
                 self._set_drained()
         return outputs
+
+    def _note_schedule(self, batch, now: float) -> None:
+        """The schedule's events (preempted, swapped, scheduled) and each new request's queue time."""
+        for seq in batch.preempted:
+            if seq.state is SequenceState.SWAPPED:
+                self.metrics.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
+            else:
+                self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
+        for seq in batch.swapped_in:
+            self.metrics.event("swapped", seq.seq_id, f"in: {len(seq.block_table)} blocks from the CPU tier")
+        for seq in batch.admitted:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+                self.metrics.queue.observe(now - seq.metrics.arrival_time, now)
+                self.metrics.event("scheduled", seq.seq_id, f"{seq.num_cached_tokens} cached tokens")
 
     def _fail_batch(self, batch, exc: Exception) -> list[RequestOutput]:
         """End every request of a step that raised with reason `error`; the KV they wrote this
@@ -275,19 +283,6 @@ class LLMEngine:
                 self.scheduler.requeue(seq)
                 self.metrics.event("evicted", seq.seq_id, f"requeued; {seq.num_tokens} tokens to recompute")
 
-    def _account(self, batch, elapsed: float) -> None:
-        c = self.metrics.counters
-        prefill_tokens = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                prompt_part = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                c.prompt_tokens += prompt_part
-            if n > 1:
-                prefill_tokens += n
-        if prefill_tokens:
-            c.prefill_tokens += prefill_tokens
-            c.prefill_seconds += elapsed * prefill_tokens / batch.num_tokens
-
     def _append_token(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
@@ -314,6 +309,7 @@ class LLMEngine:
         now = time.time()
         seq.metrics.finished_time = now
         self.seqs.pop(seq.seq_id, None)
+        self.trace.finished(seq)
         if reason == "abort":
             self.metrics.counters.requests_aborted += 1
             self.metrics.event("aborted", seq.seq_id, detail)
@@ -396,3 +392,8 @@ class LLMEngine:
     def stats(self) -> dict:
         with self._lock:
             return build_frame(self)
+
+    def trace_tables(self) -> tuple[dict, list[dict], list[dict]]:
+        """The trace's header, its requests (finished, then in flight) and its steps, for a snapshot."""
+        with self._lock:
+            return trace_header(self), *self.trace.tables(self.seqs.values())

@@ -111,6 +111,19 @@ class Metrics:
             self.iteration.observe(tokens - self._step_tokens, now)
         self._step_tokens = tokens
 
+    def account_step(self, batch, elapsed: float) -> None:
+        """A step's prompt tokens, and its prefill tokens with their share of the step's time."""
+        c = self.counters
+        prefill_tokens = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                c.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if n > 1:
+                prefill_tokens += n
+        if prefill_tokens:
+            c.prefill_tokens += prefill_tokens
+            c.prefill_seconds += elapsed * prefill_tokens / batch.num_tokens
+
     def prefill_seconds_per_token(self) -> float | None:
         c = self.counters
         return c.prefill_seconds / c.prefill_tokens if c.prefill_tokens else None

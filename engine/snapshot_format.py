@@ -4,13 +4,15 @@ either raises. Callers import these from `engine.snapshot`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import EngineError
 
-SNAPSHOT_SCHEMA_VERSION = 1
-TABLES = ("meta", "frames", "events", "sequences", "blocks")
+SNAPSHOT_SCHEMA_VERSION = 2  # 2: the request trace (`requests`, `steps`, meta `workload`; engine/trace.py)
+READABLE_VERSIONS = (1, 2)
+TABLES = ("meta", "frames", "events", "sequences", "blocks")  # every version has these
+TRACE_TABLES = ("requests", "steps")  # version 2 on
 
 
 class SnapshotError(EngineError):
@@ -26,3 +28,5 @@ class Snapshot:
     events: list[dict]
     sequences: list[dict]
     blocks: list[dict]
+    requests: list[dict] = field(default_factory=list)  # empty: no trace (version 1, or another engine's)
+    steps: list[dict] = field(default_factory=list)

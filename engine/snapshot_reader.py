@@ -22,7 +22,14 @@ from typing import Any
 from urllib.parse import quote
 
 from engine.frame_check import check_frame
-from engine.snapshot_format import SNAPSHOT_SCHEMA_VERSION, TABLES, Snapshot, SnapshotError
+from engine.snapshot_format import (
+    READABLE_VERSIONS,
+    SNAPSHOT_SCHEMA_VERSION,
+    TABLES,
+    TRACE_TABLES,
+    Snapshot,
+    SnapshotError,
+)
 from engine.stats import normalize_frame
 
 MAX_EVENTS = 100_000  # an engine keeps 5,000; a crafted file cannot make replay hold millions
@@ -112,6 +119,31 @@ class SnapshotReader:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise FrameError(self.path, i, f"kv: counts that are not numbers ({exc})") from None
 
+    def has_trace_tables(self) -> bool:
+        """Whether the file has the request trace's tables (version 2 on), full or empty."""
+        sql = "select name from sqlite_master where type='table'"
+        with self._lock:
+            names = self._query(lambda: {r[0] for r in self._conn.execute(sql)})
+        return all(t in names for t in TRACE_TABLES)
+
+    def trace_rows(self) -> tuple[list[dict], list[dict]]:
+        """The `requests` and `steps` rows, their JSON lists parsed (none in an older file)."""
+        if not self.has_trace_tables():
+            return [], []
+        requests = self.rows("select * from requests order by arrival_time, rowid")
+        steps = self.rows("select * from steps order by step, rowid")
+        try:
+            for r in requests:
+                r["block_hashes"] = json.loads(r.get("block_hashes") or "[]")
+            for s in steps:
+                s["admitted"], s["preempted"] = (
+                    json.loads(s.get("admitted") or "[]"),
+                    json.loads(s.get("preempted") or "[]"),
+                )
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SnapshotError(f"{self.path}: damaged requests or steps table ({exc})") from None
+        return requests, steps
+
     def rows(self, sql: str) -> list[dict]:
         with self._lock:
             return self._query(lambda: [dict(r) for r in self._cursor().execute(sql)])
@@ -140,12 +172,15 @@ class SnapshotReader:
             raise SnapshotError(f"{self.path}: not a kvtop snapshot (empty meta table)")
         meta = dict(row)
         version = meta.get("schema_version")
-        if version != SNAPSHOT_SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise SnapshotError(
-                f"{self.path}: snapshot schema version {version}, this kvtop reads {SNAPSHOT_SCHEMA_VERSION}"
+                f"{self.path}: snapshot schema version {version}, this kvtop reads "
+                f"{' and '.join(map(str, READABLE_VERSIONS))} (it writes {SNAPSHOT_SCHEMA_VERSION})"
             )
         config = json.loads(meta.get("config") or "{}")
         meta["config"] = config if isinstance(config, dict) else {}
+        workload = json.loads(meta.get("workload") or "null")  # version 2: the engine that ran the trace
+        meta["workload"] = workload if isinstance(workload, dict) else None
         meta["created"] = meta.get("created") if _finite(meta.get("created")) else None
         for key in ("model", "reason"):
             meta[key] = "" if meta.get(key) is None else str(meta[key])
@@ -289,4 +324,5 @@ def load_snapshot(path: str | Path) -> Snapshot:
                 s["block_ids"] = json.loads(s.get("block_ids") or "[]")
         except (TypeError, ValueError, RecursionError) as exc:
             raise SnapshotError(f"{r.path}: damaged sequences table ({exc})") from None
-        return Snapshot(r.path, r.meta, frames, r.events, sequences, blocks)
+        requests, steps = r.trace_rows()
+        return Snapshot(r.path, r.meta, frames, r.events, sequences, blocks, requests, steps)

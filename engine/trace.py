@@ -1,0 +1,185 @@
+"""The request trace and the step shapes: what the engine saw of its workload, never its text.
+
+`RequestRecord`: one request's arrival, prompt length, sampling limits, output length, finish
+reason, first-token and finish times, preemptions, and the chain of prefix-block hashes the prefix
+cache keys on — salted per engine, so equal blocks within one recording stay equal (shared
+prefixes survive) but nobody can confirm a guessed prompt by hashing it. `StepRecord`: one step's
+shape (prefill tokens, decode sequences, context tokens attended), its wall times, and what the
+scheduler decided (admissions with their prefix hits, preemptions, the peak blocks held).
+
+`TraceRecorder` keeps both in bounded rings, like the flight recorder's frames; the engine feeds
+it, snapshots store it (`requests`, `steps` tables), `engine.trace_file` writes it as JSONL, and
+`engine.whatif` replays it through the real scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+
+from engine.kv.block_manager import BlockManager
+from engine.sequence import Sequence
+
+MAX_REQUESTS = 20_000  # finished requests kept (a minute of a busy server; ~1 KB each)
+MAX_STEPS = 50_000  # steps kept (minutes of steps at 10-100 ms)
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    arrival_time: float  # seconds (wall clock); only differences between records matter
+    prompt_len: int
+    block_hashes: list[str]  # hex, one per full block of prompt + output, in order
+    max_tokens: int
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    has_stop: bool = False  # stop strings or stop token ids were given (their values never are)
+    output_len: int = 0
+    finish_reason: str | None = None  # stop | length | abort | error; None: still in flight
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float  # wall clock when the step took its inbox
+    end: float  # when its tokens were out
+    num_seqs: int
+    prefill_tokens: int  # tokens of prompt chunks (every row that is not a one-token decode)
+    decode_seqs: int
+    context_tokens: int  # keys attended: each sequence's computed tokens after the step, summed
+    held_blocks: int  # the most device blocks held while scheduling
+    admitted: list[list] = field(default_factory=list)  # [request id, prefix-hit tokens]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class StepShape:
+    prefill_tokens: int
+    decode_seqs: int
+    context_tokens: int
+
+
+def step_shape(seqs: list[Sequence], num_new_tokens: list[int]) -> StepShape:
+    """A scheduled batch's shape, taken before its tokens are computed (the engine's and the
+    simulator's one definition): one-token rows are decodes, as the runner packs them."""
+    prefill = decodes = context = 0
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        if n == 1:
+            decodes += 1
+        else:
+            prefill += n
+        context += seq.num_computed_tokens + n
+    return StepShape(prefill, decodes, context)
+
+
+def block_hash_chain(token_ids: list[int], block_size: int, salt: int = 0) -> list[str]:
+    """The prefix cache's chained hash of every full block (`BlockManager.chain_hash`), salted."""
+    out, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = BlockManager.chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        out.append(f"{hash((salt, parent)) & _MASK:016x}")
+    return out
+
+
+class TraceRecorder:
+    """The engine's request and step rings."""
+
+    def __init__(self, block_size: int, max_requests: int = MAX_REQUESTS, max_steps: int = MAX_STEPS) -> None:
+        self.block_size = block_size
+        self.salt = random.getrandbits(63)
+        self.requests: deque[RequestRecord] = deque(maxlen=max_requests)
+        self.steps: deque[StepRecord] = deque(maxlen=max_steps)
+
+    def record(self, seq: Sequence) -> RequestRecord:
+        """A request's record as it stands (finished or still in flight)."""
+        p, m = seq.params, seq.metrics
+        return RequestRecord(
+            id=seq.seq_id,
+            arrival_time=seq.arrival_time,
+            prompt_len=seq.num_prompt_tokens,
+            block_hashes=block_hash_chain(seq.token_ids, self.block_size, self.salt),
+            max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos,
+            min_tokens=p.min_tokens,
+            has_stop=bool(p.stop or p.stop_token_ids),
+            output_len=seq.num_output_tokens,
+            finish_reason=seq.finish_reason,
+            first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time,
+            finished_time=m.finished_time,
+            preemptions=seq.num_preemptions,
+            cached_tokens=seq.num_cached_tokens,
+        )
+
+    def finished(self, seq: Sequence) -> None:
+        self.requests.append(self.record(seq))
+
+    def step(self, step: int, start: float, end: float, batch, shape: StepShape, held: int, hits: list[int]) -> None:
+        """One step that ran; `hits`: each admitted sequence's prefix-hit tokens at admission."""
+        self.steps.append(
+            StepRecord(
+                step=step,
+                start=start,
+                end=end,
+                num_seqs=len(batch.seqs),
+                prefill_tokens=shape.prefill_tokens,
+                decode_seqs=shape.decode_seqs,
+                context_tokens=shape.context_tokens,
+                held_blocks=held,
+                admitted=[[s.seq_id, h] for s, h in zip(batch.admitted, hits, strict=True)],
+                preempted=[s.seq_id for s in batch.preempted],
+            )
+        )
+
+    def tables(self, in_flight: Iterable[Sequence]) -> tuple[list[dict], list[dict]]:
+        """Rows for a snapshot: finished requests then those in flight (by arrival), and steps."""
+        live = sorted((self.record(s) for s in in_flight), key=lambda r: r.arrival_time)
+        return [asdict(r) for r in [*self.requests, *live]], [asdict(s) for s in self.steps]
+
+
+def trace_header(engine) -> dict:
+    """What a replay needs to know of the engine that ran the trace: its scheduling knobs, its
+    KV cache, and the model's shape (to size another KV budget or dtype in blocks)."""
+    c, kv, spec, bm = engine.config, engine.kv, engine.spec, engine.block_manager
+    return {
+        "model": c.served_model_name or c.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": engine.device,
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "block_size": kv.block_size,
+        "num_blocks": kv.num_blocks,
+        "kv_cache_dtype": kv.kv_cache_dtype,
+        "bytes_per_token": kv.bytes_per_token,
+        "kv_cache_memory": kv.total_bytes,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+        "max_model_len": engine.max_model_len,
+        "enable_prefix_caching": bm.enable_prefix_caching,
+        "schedule_policy": engine.scheduler.policy,
+        "preemption_mode": engine.scheduler.preemption_mode,
+        "cpu_blocks": bm.cpu.num_blocks if bm.cpu is not None else 0,
+    }
