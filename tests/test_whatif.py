@@ -1,0 +1,87 @@
+"""kvctl whatif's simulator (engine/whatif/): a real recording from the tiny model, replayed
+through the real Scheduler and BlockManager. The recorded step times reproduce the recorded
+schedule exactly; other configurations change what they should."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.snapshot import write_snapshot
+from engine.trace_file import load_trace
+from engine.whatif.config import recorded_config, whatif_config
+from engine.whatif.figures import recorded_figures, simulated_figures
+from engine.whatif.sim import simulate
+from engine.whatif.timing import RecordedTiming, TimingError, fit
+from tests.test_trace import record
+
+SCHEDULE = ("step", "num_seqs", "prefill_tokens", "decode_seqs", "context_tokens", "held_blocks", "admitted", "preempted")
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_dir, tmp_path_factory):
+    """A recording that preempts and shares prefixes, through a snapshot file and back."""
+    engine = record(tiny_dir)
+    path = write_snapshot(tmp_path_factory.mktemp("whatif") / "r.kvsnap", model="tiny", config={}, reason="test",
+                          frames=[engine.stats()], events=[], trace=engine.trace_tables())  # fmt: skip
+    return load_trace(path)
+
+
+def test_recorded_step_times_reproduce_the_recorded_schedule_step_by_step(trace):
+    res = simulate(trace, recorded_config(trace.config), RecordedTiming(trace.steps), keep_steps=True)
+    assert sum(len(s.preempted) for s in trace.steps) > 0, "the recording must preempt"
+    assert sum(h for s in trace.steps for _, h in s.admitted) > 0, "and hit the prefix cache"
+    assert len(res.steps) == len(trace.steps)
+    for sim, rec in zip(res.steps, trace.steps, strict=True):
+        assert [getattr(sim, k) for k in SCHEDULE] == [getattr(rec, k) for k in SCHEDULE], f"step {rec.step}"
+        assert sim.start == pytest.approx(rec.start, abs=1e-6) and sim.end == pytest.approx(rec.end, abs=1e-6)
+    by_id = {o.id: o for o in res.outcomes}
+    for r in trace.requests:
+        o = by_id[r.id]
+        assert (o.output_len, o.preemptions, o.cached_tokens) == (r.output_len, r.preemptions, r.cached_tokens)
+        assert o.first_token == pytest.approx(r.first_token_time, abs=1e-6)
+    rec, sim = recorded_figures(trace), simulated_figures(res)
+    for key in ("preemptions", "peak_kv_blocks", "prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "completed"):
+        assert sim[key] == pytest.approx(rec[key], rel=1e-6, abs=1e-3), key
+    # the engine stamps a request scheduled after schedule() returns; the simulation at the step's start
+    assert sim["queue_p95_s"] == pytest.approx(rec["queue_p95_s"], abs=5e-3)
+
+
+def test_more_kv_memory_ends_the_preemptions(trace):
+    cfg = whatif_config(trace.config, kv_cache_memory=4 * trace.config["kv_cache_memory"])
+    assert cfg.num_blocks == 80
+    res = simulate(trace, cfg, fit(trace.steps))
+    assert res.preemptions == 0 and simulated_figures(res)["completed"] == len(trace.requests)
+
+
+def test_no_prefix_caching_hits_nothing(trace):
+    res = simulate(trace, whatif_config(trace.config, enable_prefix_caching=False), fit(trace.steps))
+    assert res.prefix_hit_tokens == 0 and simulated_figures(res)["prefix_hit_rate"] == 0.0
+
+
+def test_an_int8_cache_holds_more_blocks_in_the_same_memory(trace):
+    assert whatif_config(trace.config, kv_cache_dtype="int8").num_blocks > trace.config["num_blocks"] * 3
+
+
+def test_higher_load_compresses_arrivals(trace):
+    model = fit(trace.steps)
+    base = simulated_figures(simulate(trace, recorded_config(trace.config), model))
+    loaded = simulated_figures(simulate(trace, recorded_config(trace.config), model, load=3.0))
+    assert loaded["duration_s"] < base["duration_s"]
+
+
+def test_a_configuration_that_holds_no_request_says_so(trace):
+    with pytest.raises(ConfigError, match="cannot hold even one request"):
+        simulate(trace, whatif_config(trace.config, max_model_len=8), fit(trace.steps))
+    with pytest.raises(ConfigError, match="holds no block"):
+        whatif_config(trace.config, kv_cache_memory="1KiB")
+    with pytest.raises(ConfigError, match="--kv-cache-dtype 'fp4'"):
+        whatif_config(trace.config, kv_cache_dtype="fp4")
+
+
+def test_the_step_time_model_reports_its_error_and_needs_enough_steps(trace):
+    model = fit(trace.steps)
+    assert model.steps == len(trace.steps) and model.mape is not None and min(model.coef) >= 0
+    assert "fitted on" in model.describe()
+    with pytest.raises(TimingError, match="too few to fit"):
+        fit(trace.steps[:5])
