@@ -5,7 +5,8 @@ interpreter never lowers them, so a kernel that the compiler would refuse (a typ
 lower, a shape an MMA does not take) passes there. Here a child process without
 TRITON_INTERPRET calls the real host wrappers on CPU tensors, with a stand-in driver that names
 sm_90 as the target and turns each launch into a compile-only warmup: every kernel, as the
-engine would launch it for bf16 and fp32 queries and each KV dtype, must compile to PTX.
+engine would launch it for bf16 and fp32 queries and each KV dtype, and the element-wise ops in
+bf16, fp16 and fp32, must compile to PTX.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
+ELEMENTWISE_KERNELS = ("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel")
 
 CHILD = r"""
 import json, sys
@@ -48,7 +50,9 @@ class Sm90:  # a driver with no device behind it: enough to pick the target and 
 driver.set_active(Sm90())
 built = []
 JITFunction.__getitem__ = lambda fn, grid: (
-    lambda *a, **kw: built.append((fn.fn.__name__, kw.get("QUANT"), fn.warmup(*a, grid=grid, **kw).asm["ptx"]))
+    lambda *a, **kw: built.append(
+        (fn.fn.__name__, kw.get("QUANT"), kw.get("RESIDUAL"), fn.warmup(*a, grid=grid, **kw).asm["ptx"])
+    )
 )
 from engine.kernels import triton as tk
 
@@ -72,7 +76,18 @@ for q_dtype in (torch.bfloat16, torch.float32):
         if q_dtype == torch.bfloat16:
             rows = torch.zeros(5, 2, 64, dtype=q_dtype)
             tk.store_kv(rows, rows.clone(), kc, vc, torch.arange(5), ks, vs)
-json.dump([[name, quant, ".target sm_90" in ptx, ptx.count("\n")] for name, quant, ptx in built], sys.stdout)
+# the element-wise ops as the model calls them (odd sizes; q and k as views of the qkv output)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    x, w = torch.zeros(5, 67, dtype=dtype), torch.ones(67, dtype=dtype)
+    tk.rms_norm(x, w, 1e-6)
+    tk.fused_add_rms_norm(x, x.clone(), w, 1e-6)
+    qkv = torch.zeros(5, (9 + 2 * 3) * 64, dtype=dtype)
+    q, k = qkv[:, : 9 * 64].view(5, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)
+    tk.rms_norm(q, torch.ones(64, dtype=dtype), 1e-6)
+    tk.rotary_embedding(q, k, torch.zeros(5, 64, dtype=dtype), torch.zeros(5, 64, dtype=dtype))
+    tk.silu_and_mul(torch.zeros(5, 2 * 1539, dtype=dtype))
+json.dump([{"name": name, "quant": quant, "residual": residual, "sm90": ".target sm_90" in ptx,
+            "lines": ptx.count("\n"), "fma": "fma.rn.f32" in ptx} for name, quant, residual, ptx in built], sys.stdout)
 """
 
 
@@ -81,9 +96,16 @@ def test_every_triton_kernel_compiles_for_sm90_without_a_gpu():
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     built = json.loads(proc.stdout)
-    kinds = {(name, quant) for name, quant, _, _ in built}
+    kinds = {(k["name"], k["quant"]) for k in built}
     for quant in (0, 1, 2):  # unquantized, int8, fp8
         for kernel in ("_decode_kernel", "_prefill_kernel", "_store_kv_kernel"):
             assert (kernel, quant) in kinds, f"{kernel} with QUANT={quant} was not built"
     assert ("_decode_merge_kernel", None) in kinds  # flash-decoding's second pass
-    assert all(sm90 and lines > 100 for _, _, sm90, lines in built), built
+    elementwise = [(k["name"], k["residual"]) for k in built if k["name"] in ELEMENTWISE_KERNELS]
+    assert len(elementwise) == 3 * 5  # five calls, each in bf16, fp16 and fp32
+    assert set(elementwise) == {
+        ("_rms_norm_kernel", False), ("_rms_norm_kernel", True), ("_rotary_kernel", None), ("_silu_and_mul_kernel", None)
+    }  # fmt: skip
+    assert all(k["sm90"] and k["lines"] > 100 for k in built), built
+    # RoPE rounds each product on its own, as torch does: no product contracted into an fma
+    assert not any(k["fma"] for k in built if k["name"] == "_rotary_kernel")

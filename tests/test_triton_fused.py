@@ -151,3 +151,27 @@ def test_the_triton_backend_serves_them_unless_turned_off(monkeypatch):
     assert all(getattr(torch_ops, op) is getattr(ref, op) for op in ops)
     assert torch_ops.paged_decode_attention is backend.paged_decode_attention  # attention stays Triton
     assert get_backend("triton", str(DEVICE)) is torch_ops  # one per process: the model's state keys on it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpus_split_into_programs_gives_the_same_results(dtype, monkeypatch):
+    """Under the interpreter a launch is one program over every row; a GPU takes one row (or token)
+    per program. The GPU's split, run here too, against the reference."""
+    monkeypatch.setattr(ew, "_interpreting", lambda: False)
+    tokens, hidden, heads, kv_heads, head_dim = 13, 576, 9, 3, 64
+    x, residual = randn(tokens, hidden, seed=1, dtype=dtype), randn(tokens, hidden, seed=2, dtype=dtype)
+    weight = randn(hidden, seed=3, dtype=dtype, scale=0.3) + 1
+    ours, theirs = residual.clone(), residual.clone()
+    assert_near(ew.fused_add_rms_norm(x, ours, weight, 1e-5), ref.fused_add_rms_norm(x, theirs, weight, 1e-5), 2)
+    assert torch.equal(ours, theirs)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=4, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    head_weight = randn(head_dim, seed=5, dtype=dtype, scale=0.3) + 1
+    assert_near(ew.rms_norm(q, head_weight, 1e-6), ref.rms_norm(q, head_weight, 1e-6), 2)
+    cos, sin = randn(tokens, head_dim, seed=6, dtype=dtype), randn(tokens, head_dim, seed=7, dtype=dtype)
+    want_q, want_k = ref.rotary_embedding(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = ew.rotary_embedding(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    gate_up = randn(tokens, 2 * 3001, seed=8, dtype=dtype, scale=3.0)
+    assert_near(ew.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), 2)

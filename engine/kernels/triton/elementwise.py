@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import reference
+from engine.kernels.triton.common import _interpreting
 
 # --------------------------------------------------------------------------------------------
 # device helpers
@@ -43,87 +44,96 @@ def _round_to(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
-    stride_xt, stride_xh, stride_rt, stride_rh, heads, n, eps,
-    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+    stride_xt, stride_xh, stride_rt, stride_rh, num_rows, heads, n, eps,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """One row of `n` values: row = (token, head) of a `[tokens, heads, n]` view (heads 1 for
+    """ROWS rows of `n` values; row = (token, head) of a `[tokens, heads, n]` view (heads 1 for
     `[tokens, n]`). RESIDUAL: residual += x first (rounded to the residual's dtype, stored back),
     and the norm runs over the new residual."""
-    row = tl.program_id(0)
-    token = (row // heads).to(tl.int64)
-    head = row % heads
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    token = (rows // heads).to(tl.int64)
+    head = rows % heads
     offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + offs, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < num_rows)[:, None] & (offs < n)[None, :]
+    x_ptrs = x_ptr + (token * stride_xt + head * stride_xh)[:, None] + offs[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         dtype = residual_ptr.dtype.element_ty
-        r_ptrs = residual_ptr + token * stride_rt + head * stride_rh + offs
+        r_ptrs = residual_ptr + (token * stride_rt + head * stride_rh)[:, None] + offs[None, :]
         x = _round_to(x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), dtype)
         tl.store(r_ptrs, x.to(dtype), mask=mask)
     else:
         dtype = x_ptr.dtype.element_ty
-    mean_square = tl.sum(x * x, axis=0) / n
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))
+    mean_square = tl.sum(x * x, axis=1) / n
+    rstd = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(mean_square + eps))
     # reference: normalized in fp32, rounded to the input's dtype, times the weight
-    y = _round_to(x * rstd, dtype)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _round_to(x * rstd[:, None], dtype)
+    w = tl.load(weight_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row.to(tl.int64) * n + offs, _round_to(y * w, out_dtype).to(out_dtype), mask=mask)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * n + offs[None, :]
+    tl.store(out_ptrs, _round_to(y * w[None, :], out_dtype).to(out_dtype), mask=mask)
 
 
 @triton.jit
-def _rotate_heads(
-    ptr, token, stride_t, stride_h, heads, half, cos1, cos2, sin1, sin2,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rotate_rows(
+    ptr, first, tokens, stride_t, stride_h, heads, cos_ptr, sin_ptr, stride_ct, stride_st, half,
+    TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """Neox RoPE of one token's heads in place: each product and the sum rounded to the dtype,
-    as the reference's `q * cos + rotate_half(q) * sin` rounds them."""
+    """Neox RoPE in place of every head of tokens [first, first + TOKENS), a row per (token, head):
+    each product and the sum rounded to the dtype, as the reference's `q * cos + rotate_half(q) *
+    sin` rounds them."""
     dtype = ptr.dtype.element_ty
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
-    first = ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = _round_to(x1 * cos1[None, :], dtype) - _round_to(x2 * sin1[None, :], dtype)
-    out2 = _round_to(x2 * cos2[None, :], dtype) + _round_to(x1 * sin2[None, :], dtype)
-    tl.store(first, _round_to(out1, dtype).to(dtype), mask=mask)
-    tl.store(first + half, _round_to(out2, dtype).to(dtype), mask=mask)
+    j = tl.arange(0, BLOCK_R)
+    token = first + j // heads
+    valid = (j < TOKENS * heads) & (token < tokens)
+    token = token.to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = valid[:, None] & (offs < half)[None, :]
+    cos1_ptrs = cos_ptr + (token * stride_ct)[:, None] + offs[None, :]
+    sin1_ptrs = sin_ptr + (token * stride_st)[:, None] + offs[None, :]
+    cos1 = tl.load(cos1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    first_half = ptr + (token * stride_t + (j % heads) * stride_h)[:, None] + offs[None, :]
+    x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_half + half, mask=mask, other=0.0).to(tl.float32)
+    out1 = _round_to(x1 * cos1, dtype) - _round_to(x2 * sin1, dtype)
+    out2 = _round_to(x2 * cos2, dtype) + _round_to(x1 * sin2, dtype)
+    tl.store(first_half, _round_to(out1, dtype).to(dtype), mask=mask)
+    tl.store(first_half + half, _round_to(out2, dtype).to(dtype), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, q_heads, k_heads, half,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, tokens, q_heads, k_heads, half,
+    TOKENS: tl.constexpr, BLOCK_QR: tl.constexpr, BLOCK_KR: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """One token: its cos/sin row loaded once, then every q head and every k head rotated."""
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < half
-    cos_row = cos_ptr + token * stride_ct + offs
-    sin_row = sin_ptr + token * stride_st + offs
-    cos1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_row + half, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_row + half, mask=mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, token, stride_qt, stride_qh, q_heads, half, cos1, cos2, sin1, sin2, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr, token, stride_kt, stride_kh, k_heads, half, cos1, cos2, sin1, sin2, BLOCK_KH, BLOCK_HALF)
+    """TOKENS tokens: every q head, then every k head."""
+    first = tl.program_id(0) * TOKENS
+    _rotate_rows(q_ptr, first, tokens, stride_qt, stride_qh, q_heads, cos_ptr, sin_ptr, stride_ct, stride_st, half,
+                 TOKENS, BLOCK_QR, BLOCK_HALF)  # fmt: skip
+    _rotate_rows(k_ptr, first, tokens, stride_kt, stride_kh, k_heads, cos_ptr, sin_ptr, stride_ct, stride_st, half,
+                 TOKENS, BLOCK_KR, BLOCK_HALF)  # fmt: skip
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_t, stride_ot, inter, BLOCK: tl.constexpr):
-    """`silu(gate) * up` for one token's columns [BLOCK * j, BLOCK * (j + 1)): SiLU as torch
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_t, stride_ot, tokens, inter, TOKENS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """`silu(gate) * up` for TOKENS tokens' columns [BLOCK * j, BLOCK * (j + 1)): SiLU as torch
     computes it (`g / (1 + exp(-g))` in fp32), rounded to the dtype, then the product rounded."""
-    token = tl.program_id(0).to(tl.int64)
+    token = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < inter
+    mask = (token < tokens)[:, None] & (offs < inter)[None, :]
     dtype = out_ptr.dtype.element_ty
-    row = gate_up_ptr + token * stride_t + offs
-    g = tl.load(row, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(row + inter, mask=mask, other=0.0).to(tl.float32)
+    gate = gate_up_ptr + (token * stride_t)[:, None] + offs[None, :]
+    g = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate + inter, mask=mask, other=0.0).to(tl.float32)
     silu = _round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), dtype)
-    tl.store(out_ptr + token * stride_ot + offs, _round_to(silu * u, dtype).to(dtype), mask=mask)
+    out = out_ptr + (token * stride_ot)[:, None] + offs[None, :]
+    tl.store(out, _round_to(silu * u, dtype).to(dtype), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +143,16 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_t, stride_ot, inter, BLOCK
 def _warps(elements: int) -> int:
     """One warp per 256 elements a program holds, 1 to 8."""
     return max(1, min(8, elements // 256))
+
+
+def _rows_per_program(rows: int, row_elements: int, gpu_elements: int) -> int:
+    """How many rows one program takes, a power of two. On a GPU, a fixed count for `gpu_elements`
+    elements (each count is another compile; rows past the end are masked off). Under the
+    interpreter, which runs the programs one by one in Python, as many rows as there are, up to
+    64K elements: a launch is then one program, and an engine test's step costs what torch's did."""
+    budget = 1 << 16 if _interpreting() else gpu_elements
+    fits = 1 << (max(1, budget // row_elements).bit_length() - 1)
+    return min(fits, triton.next_power_of_2(rows)) if _interpreting() else fits
 
 
 def _token_head_strides(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -165,10 +185,12 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     tokens, heads, stride_xt, stride_xh = rows
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(tokens * heads,)](
+    # a GPU program: one row of a model's hidden size, or 16-32 heads of a per-head norm
+    per_program = _rows_per_program(tokens * heads, block, gpu_elements=2048)
+    _rms_norm_kernel[(triton.cdiv(tokens * heads, per_program),)](
         x, x if residual is None else residual, weight, out,
-        stride_xt, stride_xh, res_rows[2], res_rows[3], heads, n, float(eps),
-        BLOCK=block, RESIDUAL=residual is not None, num_warps=_warps(block),
+        stride_xt, stride_xh, res_rows[2], res_rows[3], tokens * heads, heads, n, float(eps),
+        BLOCK=block, ROWS=per_program, RESIDUAL=residual is not None, num_warps=_warps(per_program * block),
     )  # fmt: skip
     return out
 
@@ -198,14 +220,16 @@ def rotary_embedding(
         k = k.contiguous()
     if cos.stride(1) != 1 or sin.stride(1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    half = dim // 2
-    block_qh, block_kh, block_half = (triton.next_power_of_2(h) for h in (q_heads, k.shape[1], half))
+    half, k_heads = dim // 2, k.shape[1]
+    per_program = _rows_per_program(tokens, q_heads * dim, gpu_elements=0)  # a GPU program: one token
+    block_qr, block_kr = triton.next_power_of_2(per_program * q_heads), triton.next_power_of_2(per_program * k_heads)
+    block_half = triton.next_power_of_2(half)
     # no fma: each product rounds on its own, as torch's separate multiply and add kernels do
-    _rotary_kernel[(tokens,)](
+    _rotary_kernel[(triton.cdiv(tokens, per_program),)](
         q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), q_heads, k.shape[1], half,
-        BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
-        num_warps=_warps(block_qh * block_half), enable_fp_fusion=False,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), tokens, q_heads, k_heads, half,
+        TOKENS=per_program, BLOCK_QR=block_qr, BLOCK_KR=block_kr, BLOCK_HALF=block_half,
+        num_warps=_warps(block_qr * block_half), enable_fp_fusion=False,
     )  # fmt: skip
     return q, k
 
@@ -220,7 +244,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(1) != 1:
         gate_up = gate_up.contiguous()
     block = min(triton.next_power_of_2(inter), 2048)
-    _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_warps(block)
-    )
+    per_program = _rows_per_program(tokens, block, gpu_elements=0)  # a GPU program: one token's block
+    _silu_and_mul_kernel[(triton.cdiv(tokens, per_program), triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), tokens, inter,
+        TOKENS=per_program, BLOCK=block, num_warps=_warps(per_program * block),
+    )  # fmt: skip
     return out
