@@ -73,7 +73,7 @@ def test_the_engine_records_every_request_and_step(recorded):
 def test_the_trace_keeps_no_text_and_its_hashes_are_salted(recorded, tiny_dir):
     _, requests, _ = recorded.trace_tables()
     text = json.dumps(requests)
-    assert "token_ids" not in text and "prompt\"" not in text
+    assert "token_ids" not in text and 'prompt"' not in text
     other = record(tiny_dir)
     assert other.trace_tables()[1][0]["block_hashes"] != requests[0]["block_hashes"], "each engine salts its own"
 
@@ -112,7 +112,9 @@ def test_older_snapshots_still_open_and_say_they_have_no_trace(name):
 
 
 def test_a_snapshot_of_no_requests_has_empty_trace_tables(tmp_path):
-    frame = json.loads(sqlite3.connect(SNAPSHOTS / "prefix-thrash.kvsnap").execute("select frame from frames").fetchone()[0])
+    frame = json.loads(
+        sqlite3.connect(SNAPSHOTS / "prefix-thrash.kvsnap").execute("select frame from frames").fetchone()[0]
+    )
     path = write_snapshot(tmp_path / "e.kvsnap", model="m", config={}, reason="r", frames=[frame], events=[])
     with SnapshotReader(path) as r:
         assert r.has_trace_tables() and r.trace_rows() == ([], [])

@@ -15,7 +15,16 @@ from engine.whatif.sim import simulate
 from engine.whatif.timing import RecordedTiming, TimingError, fit
 from tests.test_trace import record
 
-SCHEDULE = ("step", "num_seqs", "prefill_tokens", "decode_seqs", "context_tokens", "held_blocks", "admitted", "preempted")
+SCHEDULE = (
+    "step",
+    "num_seqs",
+    "prefill_tokens",
+    "decode_seqs",
+    "context_tokens",
+    "held_blocks",
+    "admitted",
+    "preempted",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,15 @@ def test_recorded_step_times_reproduce_the_recorded_schedule_step_by_step(trace)
         assert (o.output_len, o.preemptions, o.cached_tokens) == (r.output_len, r.preemptions, r.cached_tokens)
         assert o.first_token == pytest.approx(r.first_token_time, abs=1e-6)
     rec, sim = recorded_figures(trace), simulated_figures(res)
-    for key in ("preemptions", "peak_kv_blocks", "prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "completed"):
+    for key in (
+        "preemptions",
+        "peak_kv_blocks",
+        "prefix_hit_rate",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "e2e_p50_s",
+        "completed",
+    ):
         assert sim[key] == pytest.approx(rec[key], rel=1e-6, abs=1e-3), key
     # the engine stamps a request scheduled after schedule() returns; the simulation at the step's start
     assert sim["queue_p95_s"] == pytest.approx(rec["queue_p95_s"], abs=5e-3)

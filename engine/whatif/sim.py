@@ -89,6 +89,7 @@ class _Run:
         self.sched = Scheduler(self.bm, config.max_num_seqs, config.max_num_batched_tokens,
                                policy=config.schedule_policy, preemption_mode=config.preemption_mode)  # fmt: skip
         self.config, self.timing, self.keep_steps = config, timing, keep_steps
+        self.max_seq_len = config.max_seq_len
         self.block_size = int((trace.config or {}).get("block_size") or config.block_size)
         t0 = trace.start
         self.records = trace.requests
@@ -156,15 +157,14 @@ class _Run:
         hits = [s.num_computed_tokens for s in batch.admitted]
         duration, gap = self.timing.step(index, shape)
         end = now + duration
+        commit, decodes, chunks = bm.commit_full_blocks, [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            bm.commit_full_blocks(seq)
-        order = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        order += [i for i, n in enumerate(batch.num_new_tokens) if n != 1]
-        for i in order:
-            seq = batch.seqs[i]
-            if seq.num_computed_tokens == seq.num_tokens:
-                self.emit(seq, end)
+            commit(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):  # its chunk reached the end: it samples
+                (decodes if n == 1 else chunks).append(seq)
+        for seq in decodes + chunks:  # the runner's order: decodes first
+            self.emit(seq, end)
         self.res.num_steps += 1
         self.res.seq_steps += len(batch.seqs)
         if self.keep_steps:
@@ -177,14 +177,16 @@ class _Run:
     def emit(self, seq: Sequence, now: float) -> None:
         """A token for `seq` at `now`: the next planned one; finish it at its recorded length."""
         _, tokens, target, j = self.live[seq.seq_id]
-        seq.token_ids.append(tokens[seq.num_tokens] if seq.num_tokens < len(tokens) else _TAIL + j)
+        ids = seq.token_ids
+        n = len(ids)
+        ids.append(tokens[n] if n < len(tokens) else _TAIL + j)
         o = self.res.outcomes[j]
-        if o.first_token is None:
+        if o.last_token is None:
             o.first_token = now
         else:
             self.res.itls.append(now - o.last_token)
         o.last_token = now
-        if seq.num_output_tokens >= target or seq.num_tokens >= self.config.max_seq_len:
+        if n + 1 - o.prompt_len >= target or n + 1 >= self.max_seq_len:
             self.finish(seq.seq_id, now, "length")
 
 

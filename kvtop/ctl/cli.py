@@ -24,6 +24,7 @@ class _Commands(TyperGroup):
         "plan": ("kvtop.ctl.plan_cmd", "plan_command"),
         "completion": ("kvtop.ctl.completion", "completion_command"),  # it reads this app: no import loop
         "record": ("kvtop.ctl.record", "record_command"),  # issue #15: any engine's /metrics into a .kvsnap
+        "whatif": ("kvtop.ctl.whatif_cmd", "whatif_command"),  # issue #37: a recorded workload, another configuration
     }
 
     def list_commands(self, ctx) -> list[str]:

@@ -1,0 +1,120 @@
+"""`kvctl whatif`: a recorded workload under another configuration — a typer shell over
+engine.whatif.compare (docs/whatif.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtop.dashboard.widgets.fmt import ms, pct
+
+out = Console()
+err = Console(stderr=True)
+_P = "What-if configuration (unset: as recorded)"
+
+# (label, figure, format): one row each, in this order
+ROWS = [
+    *((f"TTFT P{p} ms", f"ttft_p{p}_s", "ms") for p in (50, 95, 99)),
+    *((f"ITL P{p} ms", f"itl_p{p}_s", "ms") for p in (50, 95, 99)),
+    *((f"TPOT P{p} ms", f"tpot_p{p}_s", "ms") for p in (50, 99)),
+    *((f"e2e P{p} ms", f"e2e_p{p}_s", "ms") for p in (50, 95, 99)),
+    *((f"queue P{p} ms", f"queue_p{p}_s", "ms") for p in (50, 99)),
+    ("preemptions", "preemptions", "int"),
+    ("peak KV blocks", "peak_kv_blocks", "int"),
+    ("peak KV usage", "peak_kv_usage", "pct"),
+    ("prefix hit rate", "prefix_hit_rate", "pct"),
+    ("concurrency (mean)", "concurrency_mean", "f1"),
+    ("output tok/s", "output_tokens_per_s", "f1"),
+    ("requests/s", "requests_per_s", "f2"),
+    ("completed", "completed", "int"),
+    ("rejected", "rejected", "int"),
+    ("duration s", "duration_s", "f1"),
+]
+CHECK_LABELS = {"ttft_p50_s": "TTFT P50", "e2e_p50_s": "e2e P50", "output_tokens_per_s": "output tok/s"}
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "—"
+    if kind == "ms":
+        return ms(value, 1)
+    if kind == "pct":
+        return pct(value)
+    if kind == "int":
+        return f"{value:,.0f}"
+    return f"{value:,.{kind[1]}f}"
+
+
+def whatif_command(
+    source: Annotated[Path, typer.Argument(help="A .kvsnap snapshot of a kvtop engine, or a trace JSONL.")],
+    kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 512MiB.", rich_help_panel=_P)] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="auto | int8 | fp8_e4m3.", rich_help_panel=_P)] = None,
+    block_size: Annotated[int | None, typer.Option(help="Tokens per KV block.", rich_help_panel=_P)] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences at once.", rich_help_panel=_P)] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Token budget a step.", rich_help_panel=_P)] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt + output.", rich_help_panel=_P)] = None,
+    enable_prefix_caching: Annotated[
+        bool | None,
+        typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Prefix cache.", rich_help_panel=_P),
+    ] = None,
+    schedule_policy: Annotated[str | None, typer.Option(help="fcfs | lpm.", rich_help_panel=_P)] = None,
+    preemption_mode: Annotated[str | None, typer.Option(help="recompute | swap.", rich_help_panel=_P)] = None,
+    cpu_offload_memory: Annotated[str | None, typer.Option(help="CPU KV tier, e.g. 1GiB.", rich_help_panel=_P)] = None,
+    load: Annotated[str, typer.Option(help="Arrivals this many times as dense, e.g. 1.5x.")] = "1x",
+    calibration: Annotated[
+        Path | None, typer.Option(help="Step-time model from `kvctl calibrate` (else fitted to the recording).")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the three columns as JSON.")] = False,
+) -> None:
+    """Replay a recorded workload through the engine's own scheduler and block manager under another
+    configuration: what happened, the recorded configuration simulated (the self-check), the what-if."""
+    from engine.trace_file import load_trace
+    from engine.whatif.compare import compare, parse_load
+    from engine.whatif.timing import StepTimeModel
+
+    overrides = {"kv_cache_memory": kv_cache_memory, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
+                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                 "max_model_len": max_model_len, "enable_prefix_caching": enable_prefix_caching,
+                 "schedule_policy": schedule_policy, "preemption_mode": preemption_mode,
+                 "cpu_offload_memory": cpu_offload_memory}  # fmt: skip
+    factor = parse_load(load)
+    trace = load_trace(source)
+    timing = StepTimeModel.load(calibration) if calibration else None
+    result = compare(trace, overrides, factor, timing)
+    if json_out:
+        doc = {**result.columns(), "self_check": result.self_check(), "timing": result.timing.describe(),
+               "recorded_config": result.recorded_config.describe(), "whatif_config": result.whatif_config.describe(),
+               "load": factor, "notes": result.notes}  # fmt: skip
+        out.print_json(json.dumps(doc))
+        return
+    print_comparison(result, source)
+
+
+def print_comparison(result, source: Path) -> None:
+    t = Table(title=f"kvctl whatif · {source.name} · {result.recorded['requests']} requests")
+    t.add_column("")
+    for name in (
+        "recorded",
+        "simulated (self-check)",
+        f"what-if{'' if result.load == 1 else f' at {result.load:g}x load'}",
+    ):
+        t.add_column(name, justify="right")
+    cols = result.columns()
+    for label, key, kind in ROWS:
+        t.add_row(label, *(_fmt(cols[c].get(key), kind) for c in ("recorded", "simulated", "whatif")))
+    out.print(t)
+    out.print(f"recorded: {result.recorded_config.describe()}", highlight=False)
+    out.print(f"what-if:  {result.whatif_config.describe()}", highlight=False)
+    out.print(f"timing:   {result.timing.describe()}", highlight=False)
+    check = ", ".join(
+        f"{k.removesuffix('_s')} {v * 100:+.1f} %" for k, v in result.self_check().items() if v is not None
+    )
+    if check:
+        out.print(f"self-check (simulated vs recorded): {check}", highlight=False)
+    for note in result.notes:
+        out.print(f"note: {note}", highlight=False)

@@ -1,0 +1,127 @@
+"""`kvctl whatif` as a user runs it: three columns, `--json` with the same names, and each bad
+input one line on stderr with a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.snapshot import write_snapshot
+from engine.trace_file import write_jsonl
+from engine.whatif.synthetic import synthetic_trace
+from engine.whatif.timing import StepTimeModel
+from kvtop.ctl import cli
+from tests.test_trace import record
+
+SNAPSHOTS = Path(__file__).parent.parent / "snapshots"
+HEADER = {"model": "m", "dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16,
+          "num_blocks": 64, "kv_cache_dtype": "auto", "bytes_per_token": 512, "kv_cache_memory": 64 * 16 * 512,
+          "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 2048, "enable_prefix_caching": True,
+          "schedule_policy": "fcfs", "preemption_mode": "recompute", "cpu_blocks": 0}  # fmt: skip
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    code = 0
+    try:
+        cli.main(["whatif", *args])
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def snapshot(tiny_dir, tmp_path_factory) -> Path:
+    engine = record(tiny_dir)
+    return write_snapshot(tmp_path_factory.mktemp("cli") / "r.kvsnap", model="tiny", config={}, reason="test",
+                          frames=[engine.stats()], events=[], trace=engine.trace_tables())  # fmt: skip
+
+
+@pytest.fixture
+def calibration(tmp_path) -> Path:
+    path = tmp_path / "cal.json"
+    StepTimeModel((0.005, 2e-5, 2e-4, 1e-8), 0.0005, source="test").save(path)
+    return path
+
+
+def test_three_columns_side_by_side(snapshot, capsys):
+    code, out, err = run([str(snapshot), "--kv-cache-memory", "640KiB"], capsys)
+    assert code == 0, err
+    assert "recorded" in out and "simulated (self-check)" in out and "what-if" in out
+    assert "preemptions" in out and "TTFT P99 ms" in out and "self-check (simulated vs recorded)" in out
+    assert "80 blocks × 16" in out
+
+
+def test_json_has_one_object_per_column_with_the_same_names(snapshot, capsys):
+    code, out, _ = run([str(snapshot), "--kv-cache-memory", "640KiB", "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and set(doc) >= {"recorded", "simulated", "whatif", "self_check"}
+    assert set(doc["recorded"]) == set(doc["simulated"]) == set(doc["whatif"])
+    assert doc["recorded"]["preemptions"] > 0 and doc["whatif"]["preemptions"] == 0
+    assert doc["recorded"]["preemptions"] == doc["simulated"]["preemptions"] or doc["simulated"]["preemptions"] > 0
+    assert doc["whatif"]["ttft_p50_s"] > 0 and doc["recorded"]["itl_p50_s"] is None
+
+
+def test_a_jsonl_trace_with_a_calibration_and_load(tmp_path, calibration, capsys):
+    write_jsonl(tmp_path / "t.jsonl", synthetic_trace(300, rate=5, config=HEADER, prompt_len=(32, 256)), "test")
+    code, out, err = run([str(tmp_path / "t.jsonl"), "--calibration", str(calibration), "--load", "2x",
+                          "--max-num-seqs", "4", "--json"], capsys)  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["recorded"]["completed"] == doc["whatif"]["completed"] == 300
+    assert doc["whatif"]["concurrency_mean"] <= 4 < doc["simulated"]["concurrency_mean"] + 4
+
+
+def _one_line_failure(code: int, out: str, err: str, *words: str) -> None:
+    assert code != 0 and "Traceback" not in err + out
+    assert len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+
+
+def test_an_old_snapshot_has_no_trace(capsys):
+    code, out, err = run([str(SNAPSHOTS / "preemption-storm.kvsnap")], capsys)
+    _one_line_failure(code, out, err, "schema version 1", "take a new snapshot")
+
+
+def test_another_engines_recording_has_no_trace(capsys):
+    code, out, err = run([str(SNAPSHOTS / "engines" / "vllm-under-load.kvsnap")], capsys)
+    _one_line_failure(code, out, err, "what-if needs one")
+
+
+def test_a_truncated_trace(tmp_path, calibration, capsys):
+    write_jsonl(tmp_path / "t.jsonl", synthetic_trace(50, config=HEADER), "test")
+    text = (tmp_path / "t.jsonl").read_text()
+    (tmp_path / "cut.jsonl").write_text(text[: len(text) * 2 // 3])
+    code, out, err = run([str(tmp_path / "cut.jsonl"), "--calibration", str(calibration)], capsys)
+    _one_line_failure(code, out, err, "truncated")
+
+
+def test_a_configuration_that_cannot_hold_one_request(snapshot, capsys):
+    code, out, err = run([str(snapshot), "--max-model-len", "8"], capsys)
+    _one_line_failure(code, out, err, "cannot hold even one request", "--kv-cache-memory")
+    code, out, err = run([str(snapshot), "--kv-cache-memory", "1KiB"], capsys)
+    _one_line_failure(code, out, err, "holds no block")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--kv-cache-dtype", "fp4"], ["--kv-cache-dtype 'fp4'", "int8"]),
+        (["--kv-cache-memory", "lots"], ["lots"]),
+        (["--load", "fast"], ["--load", "1.5x"]),
+        (["--max-num-seqs", "many"], ["--max-num-seqs", "integer"]),
+        (["--preemption-mode", "swap"], ["--cpu-offload-memory"]),
+    ],
+)
+def test_an_unknown_flag_value(snapshot, capsys, args, words):
+    code, out, err = run([str(snapshot), *args], capsys)
+    _one_line_failure(code, out, err, *words)
+
+
+def test_too_few_steps_to_fit_asks_for_a_calibration(tmp_path, capsys):
+    write_jsonl(tmp_path / "t.jsonl", synthetic_trace(20, config=HEADER), "test")
+    code, out, err = run([str(tmp_path / "t.jsonl")], capsys)
+    _one_line_failure(code, out, err, "too few to fit", "--calibration")
