@@ -39,8 +39,9 @@ WORDS = _WORDS_TEXT.split()  # prompt vocabulary: common English words and a few
 
 @dataclass
 class BenchRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (a replayed trace)
     max_tokens: int
+    at: float | None = None  # seconds after the run starts (a trace's arrival), instead of --request-rate
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RequestResult:
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    sent: float | None = None  # wall clock when the request went out
 
     @property
     def tpot(self) -> float | None:
@@ -135,11 +137,12 @@ async def _one(
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0}
     if ignore_eos:
         body["ignore_eos"] = True
+    sent = time.time()
     answer = await stream(client, url, body, headers)
     usage = answer.usage or {}
     res = RequestResult(ok=answer.error is None and answer.ttft is not None, ttft=answer.ttft, e2e=answer.e2e,
                         itls=answer.itls, error=answer.error, prompt_tokens=usage.get("prompt_tokens", 0),
-                        output_tokens=usage.get("completion_tokens", 0) or answer.chunks)  # fmt: skip
+                        output_tokens=usage.get("completion_tokens", 0) or answer.chunks, sent=sent)  # fmt: skip
     if answer.error is None and answer.ttft is None:
         res.error = "no tokens received"
     return res
@@ -262,6 +265,8 @@ async def run_bench(
         start = time.perf_counter()
         tasks = []
         for req, gap in zip(requests, arrival_gaps(len(requests), request_rate, burstiness, seed), strict=True):
+            if req.at is not None:  # open loop at the trace's own times
+                gap = max(0.0, start + req.at - time.perf_counter())
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(fire(req)))
