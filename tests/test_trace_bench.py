@@ -4,10 +4,13 @@ and prefix sharing, written back as a trace."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.trace_file import load_trace, write_jsonl
 from engine.whatif.synthetic import synthetic_trace
+from engine.whatif.timing import StepTimeModel
 from kvtop.ctl.bench_trace import trace_requests
 from tests.server_harness import kvctl, start_server
 from tests.test_whatif_cli import HEADER
@@ -56,3 +59,21 @@ def test_a_bad_trace_for_bench_is_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"type": "header", "format": 1}\n{"type": "request", "id": "x"')
     r = kvctl("bench", "--base-url", "http://127.0.0.1:9", "--trace", str(tmp_path / "bad.jsonl"))
     assert r.returncode != 0 and "Traceback" not in r.stderr and "truncated" in r.stderr
+
+
+def test_a_live_servers_snapshot_holds_its_trace_and_whatif_reads_it(server, tmp_path):
+    _, path = small_trace(tmp_path)
+    assert kvctl("bench", "--base-url", server.url, "--trace", str(path)).returncode == 0
+    server.wait_idle()
+    snap = tmp_path / "live.kvsnap"
+    r = kvctl("snapshot", "--socket", str(server.socket), "-o", str(snap))
+    assert r.returncode == 0, r.stderr
+    trace = load_trace(snap)
+    assert len(trace.requests) >= 8 and trace.steps and trace.config["block_size"] == 16
+    cal = tmp_path / "cal.json"
+    StepTimeModel((0.005, 2e-5, 2e-4, 1e-8), 0.0005, source="test").save(cal)
+    r = kvctl("whatif", str(snap), "--calibration", str(cal), "--max-num-seqs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["recorded"]["requests"] == doc["whatif"]["requests"] == len(trace.requests)
+    assert doc["whatif"]["concurrency_mean"] <= 2
