@@ -125,3 +125,37 @@ def test_too_few_steps_to_fit_asks_for_a_calibration(tmp_path, capsys):
     write_jsonl(tmp_path / "t.jsonl", synthetic_trace(20, config=HEADER), "test")
     code, out, err = run([str(tmp_path / "t.jsonl")], capsys)
     _one_line_failure(code, out, err, "too few to fit", "--calibration")
+
+
+def test_a_sweep_finds_the_smallest_kv_memory_meeting_the_slo(snapshot, capsys):
+    code, out, err = run([str(snapshot), "--sweep", "kv-cache-memory=10KiB..1MiB", "--points", "5",
+                          "--slo", "ttft_p99=60s", "--json"], capsys)  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = doc["points"]
+    assert [r["value"] for r in rows] == sorted(r["value"] for r in rows) and len(rows) == 5
+    assert "error" in rows[0], "10 KiB holds one block: no prompt of the trace fits"
+    first_ok = next(r for r in rows if "error" not in r and not r["rejected"])
+    assert doc["meets"] == first_ok["label"], "the smallest setting serving every request within the SLO"
+    assert rows[-1]["preemptions"] == 0 and rows[-1]["preemptions"] <= first_ok["preemptions"]
+
+
+def test_a_sweep_prints_a_chart_and_the_answer(snapshot, capsys):
+    code, out, err = run(
+        [str(snapshot), "--sweep", "max-num-seqs=1..8", "--points", "4", "--slo", "ttft_p99=1ms"], capsys
+    )
+    assert code == 0, err
+    assert "█" in out and "no setting in the range meets it" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--sweep", "colour=1..2"], ["--sweep", "kv-cache-memory"]),
+        (["--sweep", "load=2..1"], ["LO < HI"]),
+        (["--sweep", "load=1..2", "--slo", "ttft=3"], ["--slo", "ttft_p99=2s"]),
+    ],
+)
+def test_a_bad_sweep_is_one_line(snapshot, capsys, args, words):
+    code, out, err = run([str(snapshot), *args], capsys)
+    _one_line_failure(code, out, err, *words)

@@ -53,6 +53,14 @@ def parse_load(text: str | float | None) -> float:
     return value
 
 
+def require_config(trace: Trace) -> None:
+    if trace.config is None:
+        raise TraceError(
+            f"{trace.source} carries no engine configuration (a client's trace): what-if needs the engine's "
+            "KV size and knobs — record it from a kvtop engine (a snapshot) or copy a snapshot trace's header"
+        )
+
+
 def compare(
     trace: Trace,
     overrides: dict,
@@ -62,11 +70,7 @@ def compare(
 ) -> Comparison:
     """The three columns. `timing`: a calibration; else a model fitted to the trace's steps
     (TimingError when it has too few)."""
-    if trace.config is None:
-        raise TraceError(
-            f"{trace.source} carries no engine configuration (a client's trace): what-if needs the engine's "
-            "KV size and knobs — record it from a kvtop engine (a snapshot) or copy a snapshot trace's header"
-        )
+    require_config(trace)
     base = recorded_config(trace.config)
     target = whatif_config(trace.config, **overrides)
     model = timing or fit(trace.steps, f"{trace.source}")

@@ -69,6 +69,12 @@ def whatif_command(
     calibration: Annotated[
         Path | None, typer.Option(help="Step-time model from `kvctl calibrate` (else fitted to the recording).")
     ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(help="One knob over a range, e.g. kv-cache-memory=64MiB..2GiB (or max-num-seqs, load)."),
+    ] = None,
+    points: Annotated[int, typer.Option(help="--sweep: settings tried.")] = 8,
+    slo: Annotated[str | None, typer.Option(help="--sweep: objectives, e.g. ttft_p99=2s,itl_p99=200ms.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the three columns as JSON.")] = False,
 ) -> None:
     """Replay a recorded workload through the engine's own scheduler and block manager under another
@@ -85,6 +91,8 @@ def whatif_command(
     factor = parse_load(load)
     trace = load_trace(source)
     timing = StepTimeModel.load(calibration) if calibration else None
+    if sweep:
+        return run_sweep(trace, sweep, points, slo, overrides, factor, timing, json_out)
     result = compare(trace, overrides, factor, timing)
     if json_out:
         doc = {**result.columns(), "self_check": result.self_check(), "timing": result.timing.describe(),
@@ -118,3 +126,53 @@ def print_comparison(result, source: Path) -> None:
         out.print(f"self-check (simulated vs recorded): {check}", highlight=False)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False)
+
+
+def run_sweep(trace, spec: str, points: int, slo_text: str | None, overrides: dict, load: float, timing,
+              json_out: bool) -> None:  # fmt: skip
+    """--sweep: the what-if at each setting, a bar of TTFT P99 each, and the smallest meeting --slo."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engine.whatif import sweep as sw
+    from engine.whatif.compare import require_config
+    from engine.whatif.timing import fit
+
+    knob, values = sw.parse_sweep(spec, points)
+    slo = sw.parse_slo(slo_text)
+    require_config(trace)
+    timing = timing or fit(trace.steps, trace.source)
+    with Progress(TextColumn(f"[bold]whatif[/bold] {knob}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:  # fmt: skip
+        task = progress.add_task("sweep", total=len(values))
+        rows = sw.sweep(trace, knob, values, {k: v for k, v in overrides.items() if v is not None}, timing, load,
+                        lambda done, _: progress.update(task, completed=done))  # fmt: skip
+    best = sw.smallest_meeting(rows, slo, knob) if slo else None
+    if json_out:
+        out.print_json(json.dumps({"knob": knob, "points": rows, "slo": slo, "meets": best and best["label"]}))
+        return
+    _print_sweep(knob, rows, slo, best)
+
+
+def _print_sweep(knob: str, rows: list[dict], slo: dict, best: dict | None) -> None:
+    from engine.whatif import sweep as sw
+
+    top = max((r.get("ttft_p99_s") or 0.0 for r in rows), default=0.0) or 1.0
+    t = Table(title=f"kvctl whatif --sweep {knob} (latencies in ms, output in tokens/s)")
+    for col in (knob, "TTFT P99", "", "ITL P99", "e2e P50", "preempt", "peak KV", "tok/s"):
+        t.add_column(col, justify="left" if col == "" else "right")
+    if slo:
+        t.add_column("SLO")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["label"], "—", "cannot hold a request", *["—"] * 5, *(["no"] if slo else []))
+            continue
+        bar = "█" * max(1, round(10 * (r["ttft_p99_s"] or 0.0) / top))
+        cells = [_fmt(r["ttft_p99_s"], "ms"), bar, _fmt(r["itl_p99_s"], "ms"), _fmt(r["e2e_p50_s"], "ms"),
+                 _fmt(r["preemptions"], "int"), _fmt(r["peak_kv_usage"], "pct"), _fmt(r["output_tokens_per_s"], "f1")]  # fmt: skip
+        verdict = "yes" if sw.meets(r, slo) else (f"no: {r['rejected']} refused" if r["rejected"] else "no")
+        t.add_row(r["label"], *cells, *([verdict] if slo else []))
+    out.print(t)
+    if slo:
+        goal = ", ".join(f"{k.removesuffix('_s')} ≤ {v * 1000:g} ms" for k, v in slo.items())
+        found = f"{best['label']} is the smallest setting that meets it" if best else "no setting in the range meets it"
+        out.print(f"{goal}: {found}", highlight=False)
