@@ -159,3 +159,26 @@ def test_a_sweep_prints_a_chart_and_the_answer(snapshot, capsys):
 def test_a_bad_sweep_is_one_line(snapshot, capsys, args, words):
     code, out, err = run([str(snapshot), *args], capsys)
     _one_line_failure(code, out, err, *words)
+
+
+def test_kvctl_calibrate_writes_a_model_whatif_takes(tiny_dir, snapshot, tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    code = 0
+    try:
+        cli.main(["calibrate", "--model", str(tiny_dir), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                  "--requests", "30", "--max-prompt", "64", "--max-output", "12", "-o", str(cal)])  # fmt: skip
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr().out
+    assert code == 0 and "fitted on" in out and "kvctl calibrate" in out
+    model = StepTimeModel.load(cal)
+    assert model.steps >= 20 and min(model.coef) >= 0 and model.coef[0] + model.coef[2] > 0
+    code, out, err = run([str(snapshot), "--calibration", str(cal), "--json"], capsys)
+    assert code == 0, err
+    assert "kvctl calibrate" in json.loads(out)["timing"]
+
+
+def test_a_calibration_that_is_not_one_is_one_line(snapshot, tmp_path, capsys):
+    (tmp_path / "x.json").write_text('{"coef": [1, 2]}')
+    code, out, err = run([str(snapshot), "--calibration", str(tmp_path / "x.json")], capsys)
+    _one_line_failure(code, out, err, "not a step-time calibration", "kvctl calibrate")

@@ -157,10 +157,11 @@ class _Run:
         hits = [s.num_computed_tokens for s in batch.admitted]
         duration, gap = self.timing.step(index, shape)
         end = now + duration
-        commit, decodes, chunks = bm.commit_full_blocks, [], []
+        commit, bs, decodes, chunks = bm.commit_full_blocks, bm.block_size, [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            commit(seq)
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:  # else commit_full_blocks does nothing
+                commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):  # its chunk reached the end: it samples
                 (decodes if n == 1 else chunks).append(seq)
         for seq in decodes + chunks:  # the runner's order: decodes first
@@ -230,7 +231,7 @@ def simulate(
             continue
         index += 1
         clock = end
-        if progress is not None and index % 2048 == 0:
+        if progress is not None and index % 256 == 0:
             progress(nxt, n)
     run.res.preemptions = run.sched.preemptions_total
     run.res.prefix_query_tokens = run.bm.prefix.query_tokens

@@ -25,6 +25,7 @@ class _Commands(TyperGroup):
         "completion": ("kvtop.ctl.completion", "completion_command"),  # it reads this app: no import loop
         "record": ("kvtop.ctl.record", "record_command"),  # issue #15: any engine's /metrics into a .kvsnap
         "whatif": ("kvtop.ctl.whatif_cmd", "whatif_command"),  # issue #37: a recorded workload, another configuration
+        "calibrate": ("kvtop.ctl.calibrate_cmd", "calibrate_command"),  # issue #37: whatif's step times, measured
     }
 
     def list_commands(self, ctx) -> list[str]:

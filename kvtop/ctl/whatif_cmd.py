@@ -119,9 +119,7 @@ def print_comparison(result, source: Path) -> None:
     out.print(f"recorded: {result.recorded_config.describe()}", highlight=False)
     out.print(f"what-if:  {result.whatif_config.describe()}", highlight=False)
     out.print(f"timing:   {result.timing.describe()}", highlight=False)
-    check = ", ".join(
-        f"{k.removesuffix('_s')} {v * 100:+.1f} %" for k, v in result.self_check().items() if v is not None
-    )
+    check = ", ".join(f"{CHECK_LABELS[k]} {v * 100:+.1f} %" for k, v in result.self_check().items() if v is not None)
     if check:
         out.print(f"self-check (simulated vs recorded): {check}", highlight=False)
     for note in result.notes:
