@@ -6,11 +6,13 @@ ones are marked, sorting works, Enter opens one engine's dashboard and Escape co
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import subprocess
 import threading
 import time
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -26,6 +28,7 @@ from kvtop.fleet import Fleet
 from kvtop.fleet.poller import Row
 from kvtop.fleet.prometheus import PrometheusFleet
 from kvtop.sources.prometheus import delta, histogram_quantile, parse
+from tests.helpers import PageHandler
 from tests.helpers import widget_text as text
 from tests.test_fleet import PAGES, Server, Targets
 
@@ -221,3 +224,74 @@ def test_a_prometheus_that_is_not_there_is_one_row_saying_so():
     finally:
         fleet.close()
     assert len(rows) == 1 and rows[0].state == "unreachable" and rows[0].error.startswith("Prometheus: ConnectError")
+
+
+class FakePrometheus(PageHandler):
+    """Prometheus' HTTP API as far as `PrometheusFleet` reads it: one vLLM target, and every
+    figure's query answered with `value` (what Prometheus answers for a target whose page says
+    NaN, +Inf, -5 or 1e308); with `drip`, /api/v1/targets comes a byte every 0.2 s."""
+
+    value = "0"
+    drip = False
+
+    def do_GET(self):
+        url = urlsplit(self.path)
+        if url.path == "/api/v1/targets":
+            body = {"status": "success", "data": {"activeTargets": [
+                {"scrapeUrl": "http://e:8000/metrics", "health": "up", "labels": {"instance": "e:8000"}}]}}  # fmt: skip
+            if self.drip:
+                self._drip(json.dumps(body).encode())
+                return
+        else:
+            promql = parse_qs(url.query)["query"][0]
+            value = "1" if promql.startswith("count by") else self.value  # the model query counts series
+            found = [{"metric": {"instance": "e:8000", "model_name": "m"}, "value": [0, value]}]
+            body = {"status": "success", "data": {"resultType": "vector", "result": found if "vllm:" in promql else []}}
+        self.reply(200, json.dumps(body).encode(), "application/json")
+
+    def _drip(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):  # until the client gives up
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.2)
+
+
+@pytest.fixture
+def fake_prometheus():
+    def start(**behaviour) -> str:
+        server = Server(("127.0.0.1", 0), type("Fake", (FakePrometheus,), behaviour))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    servers: list[Server] = []
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def test_figures_prometheus_answers_that_no_engine_can_have_are_left_out(fake_prometheus):
+    for value in ("NaN", "+Inf", "-Inf", "-5", "1e308"):
+        fleet = PrometheusFleet(fake_prometheus(value=value), timeout=5.0)
+        try:
+            (row,) = fleet.poll()
+        finally:
+            fleet.close()
+        assert (row.state, row.kind, row.model) == ("ok", "vllm", "m")
+        figures = (row.kv_usage, row.running, row.waiting, row.preemptions_per_s, row.prefix_hit_rate, row.ttft_p99)
+        assert figures == (None,) * 6, value  # `-` on the screen, never -5 running or 1e310 %
+
+
+def test_a_prometheus_that_answers_a_byte_at_a_time_is_given_up_on_at_the_timeout(fake_prometheus):
+    fleet = PrometheusFleet(fake_prometheus(drip=True), timeout=1.0)
+    t0 = time.monotonic()
+    try:
+        (row,) = fleet.poll()
+    finally:
+        fleet.close()
+    assert time.monotonic() - t0 < 15  # the answer would take a minute; each byte comes within the timeout
+    assert row.state == "unreachable" and "did not arrive in 1 s" in row.error

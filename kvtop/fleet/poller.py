@@ -1,8 +1,10 @@
 """`Fleet`: one `MetricsSource` per target, polled together by a bounded pool of threads.
 
 A round waits at most `timeout` (plus a little) whatever the targets do: one that hangs or answers
-garbage is marked in its row and never holds up the others. Each target keeps its own source, so
-rates (preemptions/s) and last-minute percentiles come from its own previous scrapes.
+garbage is marked in its row and never holds up the others, and one whose page kvtop fails on
+(a bug of ours a page brings out) is a row in state `error`, never the end of the fleet view. Each
+target keeps its own source, so rates (preemptions/s) and last-minute percentiles come from its
+own previous scrapes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvtop.sources.base import SourceUnavailable
-from kvtop.sources.metrics import MetricsSource
+from kvtop.sources.metrics import MetricsSource, increase
 
 MAX_WORKERS = 32  # concurrent scrapes at most, whatever the fleet's size
 
@@ -22,7 +24,8 @@ class Row:
     """One engine's line in the fleet table; None where the engine does not say."""
 
     url: str
-    state: str  # "ok", "unreachable" (refused, dropped), "not metrics" (no engine's page), "slow" (no answer in time)
+    state: str  # "ok", "unreachable" (refused, dropped), "not metrics" (no engine's page), "slow" (no answer
+    # in time), "error" (kvtop failed on what the engine served)
     error: str | None = None
     kind: str | None = None
     model: str | None = None
@@ -47,7 +50,7 @@ def row_of(url: str, frame: dict, before: dict | None) -> Row:
     if before and "preemptions_total" in sched and frame["ts"] > before["ts"]:
         earlier = (before.get("scheduler") or {}).get("preemptions_total")
         if earlier is not None:
-            rate = max(0, sched["preemptions_total"] - earlier) / (frame["ts"] - before["ts"])
+            rate = increase(sched["preemptions_total"], earlier) / (frame["ts"] - before["ts"])
     return Row(
         url=url, state="ok", kind=frame["engine"].get("kind"), model=frame["engine"].get("model"),
         kv_usage=(frame.get("kv") or {}).get("usage"), running=sched.get("running"), waiting=sched.get("waiting"),
@@ -57,12 +60,22 @@ def row_of(url: str, frame: dict, before: dict | None) -> Row:
 
 
 class Fleet:
-    def __init__(self, urls: list[str], timeout: float = 3.0, engine: str | None = None, interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        timeout: float = 3.0,
+        engine: str | None = None,
+        interval: float = 2.0,
+        deadline: float | None = None,
+    ) -> None:
+        """`timeout` per connect and read of a scrape, `deadline` for a whole page (MetricsSource's)."""
         if not urls:
             raise ValueError("no targets")
         self.timeout, self.interval = timeout, interval
         self.title = f"{len(urls)} targets, each /metrics scraped by kvtop"
-        self.sources = [MetricsSource(u, timeout=timeout, engine=engine) for u in urls]  # ValueError: a bad URL
+        self.sources = [
+            MetricsSource(u, timeout=timeout, engine=engine, deadline=deadline) for u in urls
+        ]  # ValueError: a bad URL
         self._pool = cf.ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(urls)), thread_name_prefix="fleet")
         self._pending: dict[int, cf.Future] = {}  # a scrape still running from an earlier round
         self.rows: list[Row] = [Row(s.url, "unreachable", "not polled yet") for s in self.sources]
@@ -71,10 +84,11 @@ class Fleet:
         source = self.sources[i]
         before = source.current
         try:
-            frame = source.poll()
+            return row_of(source.url, source.poll(), before)
         except SourceUnavailable as exc:
             return Row(source.url, source.failure or "unreachable", str(exc))
-        return row_of(source.url, frame, before)
+        except Exception as exc:  # one engine's page must not end the round: its row says what failed
+            return Row(source.url, "error", f"{type(exc).__name__}: {exc}"[:200])
 
     def poll(self) -> list[Row]:
         """One round: every target not still busy is scraped; returns when all answered or the time is up."""

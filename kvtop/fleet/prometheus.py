@@ -4,21 +4,27 @@ The scale-out path: kvtop asks Prometheus' HTTP API, not the engines. `/api/v1/t
 engines (their scrape URL, health and last error); one PromQL query per figure and engine kind,
 built from the same tables as `MetricsSource` (`kvtop/sources/mappings/`), gives each figure for
 every instance at once (`sum by (instance)`, `rate(…[1m])`, `histogram_quantile(0.99, …)`).
-A round is a fixed number of requests to one server, whatever the fleet's size, each time-limited.
+A round is a fixed number of requests to one server, whatever the fleet's size, each bounded in
+size (MAX_ANSWER_BYTES) and in time as a whole (the timeout, `kvtop/sources/fetch.py`). A figure
+Prometheus answers that no engine can have (NaN, ±Inf, a negative count, a usage above 1) is left
+out of its row, as `MetricsSource` leaves it out of a frame.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import time
 
 import httpx
 
 from kvtop.fleet.poller import Row
+from kvtop.sources import fetch
 from kvtop.sources.mappings import Mapping, all_mappings
+from kvtop.sources.prometheus import number
 
 WINDOW = "1m"  # rates and percentiles over the last minute, as the local fleet's
+MAX_ANSWER_BYTES = 64 * fetch.MiB  # /api/v1/targets of thousands of targets (most not engines) runs to tens of MiB
+FRACTIONS = ("kv_usage", "prefix_hit_rate")  # row fields that are at most 1
 
 
 def _any(names: tuple[str, ...], agg: str) -> str:
@@ -42,6 +48,15 @@ def queries(m: Mapping) -> dict[str, str]:
         if key in m.histograms:
             q[field] = f"histogram_quantile(0.99, sum by (instance, le) (rate({m.histograms[key]}_bucket[{WINDOW}])))"
     return q
+
+
+def figure(field: str, value: float) -> float | int | None:
+    """A row field from Prometheus' answer, or None for one no engine can have (NaN, ±Inf, past
+    MAX_VALUE, negative: every figure is a count, a rate, a time or a fraction at most 1)."""
+    value = number(value)
+    if value is None or value < 0 or (field in FRACTIONS and value > 1):
+        return None
+    return int(value) if field in ("running", "waiting") else value
 
 
 def state_of(target: dict, kind: str | None) -> tuple[str, str | None]:
@@ -68,11 +83,12 @@ class PrometheusFleet:
         self.base = str(u).rstrip("/")
         self.timeout, self.interval = timeout, interval
         self.title = f"engines scraped by Prometheus at {self.base}"
-        self._client = httpx.Client(timeout=timeout)
+        self._client = fetch.client(timeout)
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="prom")
 
     def _get(self, path: str, **params) -> dict | list:
-        r = self._client.get(f"{self.base}{path}", params=params)
+        r = fetch.fetch(self._client, f"{self.base}{path}", params=params, max_bytes=MAX_ANSWER_BYTES,
+                        deadline_s=self.timeout, what=f"Prometheus' answer to {path}")  # fmt: skip
         body = r.json()
         if r.status_code != 200 or body.get("status") != "success":
             raise ValueError(f"Prometheus answered HTTP {r.status_code}: {body.get('error', '')}".rstrip(": "))
@@ -86,7 +102,8 @@ class PrometheusFleet:
         """One round; a Prometheus that cannot be asked is one row saying why."""
         try:
             return self._round()
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:  # not a Prometheus
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+                fetch.PageTooLarge, fetch.PageTooSlow) as exc:  # fmt: skip  # not a Prometheus, or not in time
             return [Row(self.base, "unreachable", f"Prometheus: {type(exc).__name__}: {exc}"[:200])]
 
     def _round(self) -> list[Row]:
@@ -103,8 +120,8 @@ class PrometheusFleet:
                 fields.setdefault("kind", kind)
                 if field == "model":
                     fields["model"] = fields.get("model") or labels.get("model_name") or None
-                elif not math.isnan(value) and not math.isinf(value):
-                    fields[field] = int(value) if field in ("running", "waiting") else value
+                elif (usable := figure(field, value)) is not None:
+                    fields[field] = usable
         rows = []
         for t in targets:
             fields = found.get(t.get("labels", {}).get("instance", ""), {})

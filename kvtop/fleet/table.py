@@ -1,4 +1,5 @@
-"""The fleet as a rich table: one engine a line, `-` where the engine does not say."""
+"""The fleet as a rich table: one engine a line, `-` where the engine does not say, or said
+something that is not a usable number (NaN, ±Inf, 1e308: `kvtop.sources.prometheus.number`)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,23 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtop.fleet.poller import Row
+from kvtop.sources.prometheus import number
 
 
 def pct(v: float | None) -> str:
+    v = number(v)
     return "-" if v is None else f"{v * 100:.1f} %"
 
 
 def ms(v: float | None) -> str:
+    v = number(v)
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
 def n(v) -> str:
-    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+    if number(v) is None:
+        return "-"
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def fleet_table(rows: list[Row]) -> Table:

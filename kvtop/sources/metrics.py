@@ -3,7 +3,12 @@
 Each scrape becomes a partial frame (DESIGN §6): what the engine's table (`mappings/`) names is
 filled, everything else is absent, never 0, and `unavailable` lists what the panels cannot show.
 Rates and last-minute percentiles come from the difference between scrapes, as Prometheus'
-`rate()` and `histogram_quantile()` would compute them.
+`rate()` and `histogram_quantile()` would compute them (a counter that went back was reset).
+
+A page is read within limits (`kvtop/sources/fetch.py`: MAX_BYTES, DEADLINE_S for the whole page)
+and its numbers are checked where they become numbers (`prometheus.parse`, `Scrape.first`): a
+value no panel can use (NaN, ±Inf, a negative count, a count of 2.5, a fraction above 1, 1e308)
+is absent from the frame, drawn as `–`, never a crash.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from collections.abc import Callable
 
 import httpx
 
+from kvtop.sources import fetch
 from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable, last_seconds
 from kvtop.sources.mappings import Mapping, by_kind, detect
 from kvtop.sources.mappings.llamacpp import add_slots, read_slots
-from kvtop.sources.prometheus import NotMetrics, Scrape, delta, histogram_quantile, parse
+from kvtop.sources.prometheus import MAX_BYTES, MAX_VALUE, NotMetrics, Scrape, delta, histogram_quantile, parse
 
 WINDOW_S = 60.0  # latency percentiles over the last minute
 RATE_S = 10.0  # throughput over the last seconds
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+DEADLINE_S = 10.0  # for a whole page, whatever the per-read timeout: a byte a second never trips that
+FRACTIONS = ("kv.usage", "kv.peak_usage", "prefix.hit_rate")  # frame fields that are at most 1
+SECONDS = ("engine.uptime_s", "prefix.saved_prefill_s")  # and these any amount: every other field is a count
 
 
 class Unreachable(NotMetrics):
@@ -56,7 +65,7 @@ def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
         buckets = scrape.buckets.get(name)
         if not buckets:
             continue
-        h = {"count": int(buckets[-1][1]), "sum": scrape.values.get(name + "_sum")}
+        h = {"count": int(buckets[-1][1]), "sum": scrape.first((name + "_sum",))}
         h.update({p: histogram_quantile(q, buckets) for p, q in QUANTILES})
         h["buckets"] = [le for le, _ in buckets[:-1]]
         h["counts"] = [int(c - b) for (_, c), (_, b) in zip(buckets, [(0, 0.0), *buckets[:-1]], strict=True)]
@@ -77,20 +86,40 @@ def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
     for key, names in m.rates.items():
         now, before = scrape.first(names), then.first(names)
         if now is not None and before is not None:
-            out[key] = max(0.0, now - before) / (scrape.ts - then.ts)
+            out[key] = increase(now, before) / (scrape.ts - then.ts)
     return out
 
 
+def increase(now: float, before: float) -> float:
+    """A counter's increase between two readings; one that went back was reset (a restart) and
+    counts from 0, as Prometheus' `rate()` reads it."""
+    return now - before if now >= before else now
+
+
+def _unusable_histograms(m: Mapping, scrape: Scrape) -> list[str]:
+    """The latency histograms the page serves but kvtop cannot use (a bucket that is not a count, no +Inf)."""
+    return [key for key, name in m.histograms.items()
+            if name + "_bucket" in scrape.names and name not in scrape.buckets]  # fmt: skip
+
+
 def _cache_config(m: Mapping, scrape: Scrape, frame: dict) -> None:
+    """vLLM's `cache_config_info` labels: block size, blocks, KV dtype (a count that is not one is absent)."""
     labels = (scrape.series.get(m.info) or [({}, 0.0)])[0][0] if m.info else {}
-    for label, key, cast in (("block_size", "block_size", int), ("num_gpu_blocks", "num_blocks", int),
-                             ("cache_dtype", "dtype", str)):  # fmt: skip
-        value = labels.get(label)
-        if value not in (None, "", "None") and key not in frame["kv"]:
-            try:
-                frame["kv"][key] = cast(float(value)) if cast is int else value
-            except ValueError:
-                pass
+    for label, key, least in (("block_size", "block_size", 1), ("num_gpu_blocks", "num_blocks", 0)):
+        count = _label_count(labels.get(label))
+        if count is not None and count >= least and key not in frame["kv"]:
+            frame["kv"][key] = count
+    if labels.get("cache_dtype") not in (None, "", "None") and "dtype" not in frame["kv"]:
+        frame["kv"]["dtype"] = labels["cache_dtype"]
+
+
+def _label_count(text: str | None) -> int | None:
+    """A label's count ("16", "16.0"), or None for anything else ("inf", "nan", "-5", "1e308", "x")."""
+    try:
+        value = float(text or "")
+    except ValueError:
+        return None
+    return int(value) if 0 <= value < MAX_VALUE else None
 
 
 def _model(scrape: Scrape) -> str | None:
@@ -107,28 +136,35 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
                    "engine": {"kind": m.kind, "model": _model(scrape)},
                    "kv": {}, "scheduler": {}, "prefix": {}, "events": []}  # fmt: skip
     for path, names in (*m.gauges.items(), *m.counters.items()):
-        value = scrape.first(names)
-        if value is not None:
-            _set(frame, path, int(value) if value.is_integer() and "usage" not in path else value)
+        value = scrape.first(names, most=1.0 if path in FRACTIONS else MAX_VALUE)
+        if value is not None and (path in FRACTIONS or path in SECONDS):
+            _set(frame, path, value)
+        elif value is not None and value.is_integer():  # a count of 2.5 requests is not one
+            _set(frame, path, int(value))
     _cache_config(m, scrape, frame)
     if m.kind == "kvtop":
         _kvtop_extras(scrape, frame)
     prefix = frame["prefix"]
-    if "hit_rate" not in prefix and prefix.get("query_tokens"):
-        prefix["hit_rate"] = prefix.get("hit_tokens", 0) / prefix["query_tokens"]
+    hits, asked = prefix.get("hit_tokens"), prefix.get("query_tokens")
+    if "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
+        prefix["hit_rate"] = hits / asked
     frame["latency"] = _latency(m, scrape, earlier)
     frame["throughput"] = _rates(m, scrape, earlier)
     frame["engine"].setdefault("state", "running")
     if frame["engine"]["model"] is None:  # llama-server names no model: absent, not None on screen
         del frame["engine"]["model"]
     frame["unavailable"] = list(m.cannot_show)
+    if bad := _unusable_histograms(m, scrape):  # the latency panel's note, when none is left to draw
+        frame["unavailable"].append(
+            f"{m.label}'s latency histograms {', '.join(bad)} hold values kvtop cannot use (NaN, ±Inf, not a count)"
+        )
     return frame
 
 
 def _kvtop_extras(scrape: Scrape, frame: dict) -> None:
     """Ours serves block counts by state, and its state, as labels: the frame's own fields."""
     for labels, value in scrape.series.get("kvtop_kv_cache_blocks", []):
-        if labels.get("state") in ("free", "cached", "used", "shared", "offloaded"):
+        if labels.get("state") in ("free", "cached", "used", "shared", "offloaded") and value >= 0:
             frame["kv"][labels["state"]] = int(value)
     for labels, value in scrape.series.get("kvtop_engine_state", []):
         if value == 1.0 and labels.get("state"):
@@ -148,35 +184,44 @@ class MetricsSource(FrameSource):
         engine: str | None = None,
         timeout: float = 3.0,
         clock: Callable[[], float] = time.time,
+        deadline: float | None = None,
     ) -> None:
+        """`timeout` bounds each connect and read; `deadline` the whole page (default DEADLINE_S,
+        or `timeout` where that is longer: a page may always take as long as one read)."""
         super().__init__()
         self.url = metrics_url(url)
         self.path = self.url  # what the header names
         self.interval = interval
         self.mapping: Mapping | None = by_kind(engine) if engine else None
-        self.timeout = timeout
+        self.timeout, self.deadline = timeout, max(DEADLINE_S, timeout) if deadline is None else deadline
         self._clock = clock
         self._scrapes: deque[Scrape] = deque()
         self._frames: deque[dict] = deque()
         self.failure: str | None = None  # the last poll's: "unreachable", "not metrics" or "slow"
-        self._client = httpx.Client(timeout=timeout, follow_redirects=False)
+        self._client = fetch.client(timeout)
         self._lock = threading.Lock()
 
     def scrape(self) -> Scrape:
+        """One page, read within MAX_BYTES and `deadline`, parsed."""
         try:
-            r = self._client.get(self.url)
+            page = fetch.fetch(self._client, self.url, max_bytes=MAX_BYTES, deadline_s=self.deadline,
+                               what="the /metrics page")  # fmt: skip
+        except fetch.PageTooSlow as exc:
+            raise Slow(str(exc)) from None
+        except fetch.PageTooLarge as exc:
+            raise NotMetrics(str(exc)) from None
         except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
             raise Slow(f"{type(exc).__name__}: no answer in {self.timeout:g} s") from exc
         except httpx.HTTPError as exc:
             raise Unreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
-        if r.status_code != 200:
-            raise NotMetrics(f"it answered HTTP {r.status_code}")
-        return parse(r.text, self._clock())
+        if page.status_code != 200:
+            raise NotMetrics(f"it answered HTTP {page.status_code}")
+        return parse(page.text, self._clock())
 
     def poll(self) -> dict | None:
         try:
             scrape = self.scrape()
-            mapping = self.mapping or detect(scrape.values)
+            mapping = self.mapping or detect(scrape.names)
             if mapping is None:
                 raise NotMetrics("it serves no vLLM, SGLang, llama.cpp or kvtop metrics")
         except NotMetrics as exc:
@@ -185,7 +230,7 @@ class MetricsSource(FrameSource):
             self.last_error, self.failure = str(exc), exc.state
             raise SourceUnavailable(self.last_error) from None
         self.disconnected_since, self.last_error, self.failure = None, None, None
-        slots = read_slots(self._client, self.url) if mapping.kind == "llamacpp" else {}  # its per-sequence view
+        slots = read_slots(self._client, self.url, self.deadline) if mapping.kind == "llamacpp" else {}  # per sequence
         with self._lock:
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
             add_slots(frame, slots)

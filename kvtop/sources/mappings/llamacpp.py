@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from kvtop.sources import fetch
 from kvtop.sources.mappings.mapping import Mapping
 
 MAPPING = Mapping(
@@ -37,6 +38,8 @@ MAPPING = Mapping(
     ),
 )
 MAX_SLOTS = 4096  # a /slots answer listing more is not one we draw
+MAX_SLOTS_BYTES = 8 * 1024**2  # nor one longer than this (a slot is ~2 KiB of JSON)
+MAX_COUNT = 2**53  # a token count past this is not one
 
 
 def slots_url(metrics_url: str) -> str:
@@ -47,7 +50,7 @@ def slots_url(metrics_url: str) -> str:
 
 
 def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
+    return value if type(value) is int and 0 <= value < MAX_COUNT else None
 
 
 def slot_sequences(slots: Any) -> list[dict]:
@@ -84,15 +87,17 @@ def _prompt_tokens(slot: dict) -> int | None:
     return None if done is None or cached is None else done + cached
 
 
-def read_slots(client: httpx.Client, metrics_url: str) -> dict:
-    """`/slots` beside `metrics_url`: {"sequences": rows, "slots": how many}, or {"unavailable": why}."""
+def read_slots(client: httpx.Client, metrics_url: str, deadline_s: float = 10.0) -> dict:
+    """`/slots` beside `metrics_url` (read through `client`, made by `fetch.client`, within
+    MAX_SLOTS_BYTES and `deadline_s`): {"sequences": rows, "slots": how many}, or {"unavailable": why}."""
     try:
-        r = client.get(slots_url(metrics_url))
+        r = fetch.fetch(client, slots_url(metrics_url), max_bytes=MAX_SLOTS_BYTES, deadline_s=deadline_s,
+                        what="llama.cpp's /slots")  # fmt: skip
         if r.status_code == 200:
             slots = r.json()
             return {"sequences": slot_sequences(slots), "slots": len(slots)}
         why = f"answered HTTP {r.status_code}" + (" (llama-server --no-slots?)" if r.status_code == 501 else "")
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError, RecursionError, fetch.PageTooLarge, fetch.PageTooSlow) as exc:
         why = f"is not readable ({type(exc).__name__})"
     return {"unavailable": f"llama.cpp's /slots {why}: no per-sequence table"}
 
