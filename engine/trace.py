@@ -15,6 +15,7 @@ it, snapshots store it (`requests`, `steps` tables), `engine.trace_file` writes 
 from __future__ import annotations
 
 import random
+from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
@@ -22,17 +23,17 @@ from dataclasses import asdict, dataclass, field, fields
 from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence
 
-MAX_REQUESTS = 20_000  # finished requests kept (a minute of a busy server; ~1 KB each)
-MAX_STEPS = 50_000  # steps kept (minutes of steps at 10-100 ms)
+MAX_REQUESTS = 20_000  # finished requests kept (minutes of a busy server; ~0.3 KB + 8 B a block each)
+MAX_STEPS = 20_000  # steps kept (10 minutes of 30 ms steps, the flight recorder's default history)
 _MASK = (1 << 64) - 1
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     id: str
     arrival_time: float  # seconds (wall clock); only differences between records matter
     prompt_len: int
-    block_hashes: list[str]  # hex, one per full block of prompt + output, in order
+    block_hashes: list[str]  # hex, one per full block of prompt + output, in order (packed in the ring)
     max_tokens: int
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -51,7 +52,7 @@ class RequestRecord:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     step: int
     start: float  # wall clock when the step took its inbox
@@ -95,11 +96,15 @@ def step_shape(seqs: list[Sequence], num_new_tokens: list[int]) -> StepShape:
 
 
 def block_hash_chain(token_ids: list[int], block_size: int, salt: int = 0) -> list[str]:
-    """The prefix cache's chained hash of every full block (`BlockManager.chain_hash`), salted."""
-    out, parent = [], None
+    """The prefix cache's chained hash of every full block (`BlockManager.chain_hash`), salted, in hex."""
+    return [f"{h:016x}" for h in _chain(token_ids, block_size, salt)]
+
+
+def _chain(token_ids: list[int], block_size: int, salt: int) -> array:
+    out, parent = array("Q"), None
     for i in range(len(token_ids) // block_size):
         parent = BlockManager.chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
-        out.append(f"{hash((salt, parent)) & _MASK:016x}")
+        out.append(hash((salt, parent)) & _MASK)
     return out
 
 
@@ -113,13 +118,14 @@ class TraceRecorder:
         self.steps: deque[StepRecord] = deque(maxlen=max_steps)
 
     def record(self, seq: Sequence) -> RequestRecord:
-        """A request's record as it stands (finished or still in flight)."""
+        """A request's record as it stands (finished or still in flight); its hashes packed, 8
+        bytes a block, as the ring keeps them (`tables` writes them out in hex)."""
         p, m = seq.params, seq.metrics
         return RequestRecord(
             id=seq.seq_id,
             arrival_time=seq.arrival_time,
             prompt_len=seq.num_prompt_tokens,
-            block_hashes=block_hash_chain(seq.token_ids, self.block_size, self.salt),
+            block_hashes=_chain(seq.token_ids, self.block_size, self.salt),
             max_tokens=p.max_tokens,
             ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens,
@@ -156,7 +162,10 @@ class TraceRecorder:
     def tables(self, in_flight: Iterable[Sequence]) -> tuple[list[dict], list[dict]]:
         """Rows for a snapshot: finished requests then those in flight (by arrival), and steps."""
         live = sorted((self.record(s) for s in in_flight), key=lambda r: r.arrival_time)
-        return [asdict(r) for r in [*self.requests, *live]], [asdict(s) for s in self.steps]
+        rows = [asdict(r) for r in [*self.requests, *live]]
+        for row in rows:
+            row["block_hashes"] = [f"{h:016x}" for h in row["block_hashes"]]
+        return rows, [asdict(s) for s in self.steps]
 
 
 def trace_header(engine) -> dict:
