@@ -37,7 +37,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
 from engine.stats import build_frame
 from engine.stopping import stop_reason
-from engine.trace import TraceRecorder, step_shape, trace_header
+from engine.trace import TraceRecorder, rows, step_shape, trace_header
 from engine.validation import PromptLimits
 
 __all__ = ["TORCH_DTYPES", "LLMEngine", "resolve_device", "resolve_dtype"]  # the first three moved to devices.py
@@ -395,5 +395,6 @@ class LLMEngine:
 
     def trace_tables(self) -> tuple[dict, list[dict], list[dict]]:
         """The trace's header, its requests (finished, then in flight) and its steps, for a snapshot."""
-        with self._lock:
-            return trace_header(self), *self.trace.tables(self.seqs.values())
+        with self._lock:  # a copy under the lock; the rows (hex, dicts) after it
+            header, (requests, steps) = trace_header(self), self.trace.capture(self.seqs.values())
+        return header, *rows(requests, steps)

@@ -159,13 +159,21 @@ class TraceRecorder:
             )
         )
 
-    def tables(self, in_flight: Iterable[Sequence]) -> tuple[list[dict], list[dict]]:
-        """Rows for a snapshot: finished requests then those in flight (by arrival), and steps."""
+    def capture(self, in_flight: Iterable[Sequence]) -> tuple[list[RequestRecord], list[StepRecord]]:
+        """The rings as they stand plus the requests in flight (by arrival): quick, under the
+        engine's lock; `rows` turns them into table rows after it."""
         live = sorted((self.record(s) for s in in_flight), key=lambda r: r.arrival_time)
-        rows = [asdict(r) for r in [*self.requests, *live]]
-        for row in rows:
-            row["block_hashes"] = [f"{h:016x}" for h in row["block_hashes"]]
-        return rows, [asdict(s) for s in self.steps]
+        return [*self.requests, *live], list(self.steps)
+
+
+def rows(requests: list[RequestRecord], steps: list[StepRecord]) -> tuple[list[dict], list[dict]]:
+    """Snapshot rows of captured records, the hashes in hex."""
+    out = []
+    for r in requests:
+        row = asdict(r)
+        row["block_hashes"] = [f"{h:016x}" for h in r.block_hashes]
+        out.append(row)
+    return out, [asdict(s) for s in steps]
 
 
 def trace_header(engine) -> dict:
