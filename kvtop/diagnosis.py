@@ -11,9 +11,15 @@ Findings about rates (preemptions, rejections, prefix thrash, failures) need `hi
 compare `frame` with the oldest frame of the same engine run in the last `WINDOW_S` seconds, and
 are left out when there is none. The dashboard shows the first finding under its header; other
 tools (`kvctl status`, the demo's summary) may print them all.
+
+Frames may come from files and other engines: a figure that is not a usable number (NaN, ±Inf, an
+integer too large for a float, a string: `kvtop.sources.prometheus.number`) is read as absent,
+never a crash.
 """
 
 from __future__ import annotations
+
+from kvtop.sources.prometheus import number
 
 WINDOW_S = 5.0  # rates are measured over the last this many seconds of frames
 THRASH_HIT_RATE = 0.1  # prefix hits below this share of looked-up tokens…
@@ -31,9 +37,9 @@ def diagnose(frame: dict, history: list[dict] | None = None) -> list[str]:
 def allocatable(kv: dict) -> int:
     """Blocks a new request could get: free plus cached. Frames before `kv.allocatable` existed
     counted cached blocks inside `free`."""
-    if kv.get("allocatable") is not None:
-        return int(kv["allocatable"])
-    return int(kv.get("free") or 0)
+    if number(kv.get("allocatable")) is not None:
+        return int(number(kv["allocatable"]) or 0)
+    return int(number(kv.get("free")) or 0)
 
 
 def _get(frame: dict, path: str) -> float:
@@ -42,7 +48,7 @@ def _get(frame: dict, path: str) -> float:
         if not isinstance(node, dict) or node.get(key) is None:
             return 0.0
         node = node[key]
-    return float(node) if isinstance(node, int | float) else 0.0
+    return number(node) or 0.0
 
 
 def _start(frame: dict) -> float:
@@ -88,7 +94,7 @@ def _draining(frame: dict) -> str:
 def _kv_bound(frame: dict) -> str:
     waiting = int(_get(frame, "scheduler.waiting"))
     kv = frame.get("kv") or {}
-    if not waiting or not kv.get("num_blocks") or allocatable(kv) > 0:
+    if waiting <= 0 or _get(frame, "kv.num_blocks") <= 0 or allocatable(kv) > 0:
         return ""
     return f"{waiting} waiting, 0 free blocks: KV-bound — more --kv-cache-memory or a shorter --max-model-len"
 
@@ -136,9 +142,9 @@ def _failing(frame: dict, then: dict | None) -> str:
 
 
 def _seq_bound(frame: dict) -> str:
-    s = frame.get("scheduler") or {}
-    waiting, running, limit = s.get("waiting") or 0, s.get("running") or 0, s.get("max_num_seqs")
-    if not waiting or not limit or running < limit or _kv_bound(frame):
+    waiting, running = int(_get(frame, "scheduler.waiting")), int(_get(frame, "scheduler.running"))
+    limit = int(_get(frame, "scheduler.max_num_seqs"))
+    if waiting <= 0 or limit <= 0 or running < limit or _kv_bound(frame):
         return ""
     free = allocatable(frame.get("kv") or {})
     return (

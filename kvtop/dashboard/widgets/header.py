@@ -74,7 +74,9 @@ def engine_line(view: View, unreachable_since: float | None) -> Text:
 def glance_line(view: View, stale: bool) -> Text:
     """Running and waiting requests, rejections, and the first finding of the diagnosis."""
     s = view.frame.get("scheduler") or {}
-    counts = f"{s.get('running', 0)} running · {s.get('waiting', 0)} waiting"
+    # a count the frame lacks (another engine's /metrics, a value that was not one) is –, not 0
+    running, waiting = (fmt.NONE if s.get(k) is None else s[k] for k in ("running", "waiting"))
+    counts = f"{running} running · {waiting} waiting"
     rejected = rejected_summary(view.frame)
     if rejected:
         counts += f" · {rejected}"

@@ -40,7 +40,10 @@ def window_counts(view: View, name: str) -> tuple[list[int], str]:
 
 def bound(v: float) -> str:
     """A bucket bound, short, in the unit that keeps it to three figures: 2.5ms, 80ms, 1s, 7.5s,
-    80s, 10.7m, 2.13h."""
+    80s, 10.7m, 2.13h; `?` for a bound that is not a usable number (a crafted file)."""
+    v = fmt.number(v)
+    if v is None:
+        return "?"
     if v < 1:
         return f"{v * 1e3:.3g}ms"
     if v < 120:

@@ -23,7 +23,7 @@ class MemoryPanel(Panel):
         rows = [
             fmt.label_value("device", f"{device} · {fmt.size(total)} total", 10),
             Text.assemble(
-                ("used      ", "bold"), fmt.gauge(used / total if total else 0, bar), f" {fmt.size(used):>10}"
+                ("used      ", "bold"), fmt.gauge(fmt.ratio(used, total) or 0, bar), f" {fmt.size(used):>10}"
             ),
             fmt.label_value(
                 "weights",
@@ -34,7 +34,7 @@ class MemoryPanel(Panel):
             fmt.label_value(
                 "KV",
                 f"{fmt.size(m.get('kv'))}"
-                + (f" ({fmt.pct(m['kv'] / total)} of device)" if total and m.get("kv") else ""),
+                + (f" ({fmt.pct(fmt.ratio(m['kv'], total))} of device)" if total and m.get("kv") else ""),
                 10,
             ),
         ]
@@ -45,14 +45,14 @@ class MemoryPanel(Panel):
             rows.append(
                 Text.assemble(
                     ("GPU util  ", "bold"),
-                    fmt.gauge(nvml.get("gpu_util", 0) / 100, bar),
+                    fmt.gauge(fmt.ratio(nvml.get("gpu_util"), 100) or 0, bar),
                     f" {nvml.get('gpu_util', 0):>9}%",
                 )
             )
             rows.append(
                 Text.assemble(
                     ("mem bw    ", "bold"),
-                    fmt.gauge(nvml.get("mem_bw_util", 0) / 100, bar),
+                    fmt.gauge(fmt.ratio(nvml.get("mem_bw_util"), 100) or 0, bar),
                     f" {nvml.get('mem_bw_util', 0):>9}%",
                 )
             )

@@ -38,7 +38,7 @@ class PrefixPanel(Panel):
         token_rate = p.get("hit_rate") if p.get("query_tokens") or "query_tokens" not in p else None
         request_rate = p.get("request_hit_rate") if p.get("queries") else None
         hit_now = latest_ratio(view.history, "prefix.hit_tokens", "prefix.query_tokens")
-        saved = p.get("saved_prefill_s")
+        saved = fmt.number(p.get("saved_prefill_s"))
         cached = (
             fmt.NONE
             if kv.get("cached") is None

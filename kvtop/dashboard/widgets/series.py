@@ -1,7 +1,8 @@
 """Time series derived from a run of frames: counters turned into rates, ratios over intervals.
 
 Frames carry totals (preemptions, prefix hits, steps); panels want per-second rates and recent
-ratios. Both live and replay hand the panels the frames up to the one shown, oldest first.
+ratios. Both live and replay hand the panels the frames up to the one shown, oldest first. A
+figure that is not a usable number (a crafted file's 1e308 written as an integer) reads as missing.
 """
 
 from __future__ import annotations
@@ -10,20 +11,23 @@ import functools
 from collections.abc import Callable
 from itertools import pairwise
 
+from kvtop.sources.prometheus import number
+
 
 @functools.lru_cache(maxsize=256)
 def _keys(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
 
 
-def get(frame: dict, path: str, default: float = 0.0) -> float:
-    """`frame["a"]["b"]` for path "a.b", or `default` where a key is missing or null."""
+def get(frame: dict, path: str, default: float | None = 0.0) -> float:
+    """`frame["a"]["b"]` for path "a.b", or `default` where a key is missing or null, or the
+    value there is not a usable number (`kvtop.sources.prometheus.number`)."""
     node: object = frame
     for key in _keys(path):
         if not isinstance(node, dict) or node.get(key) is None:
             return default
         node = node[key]
-    return node  # type: ignore[return-value]
+    return node if number(node) is not None else default  # type: ignore[return-value]
 
 
 def values(history: list[dict], path: str) -> list[float]:
@@ -34,7 +38,7 @@ def rates(history: list[dict], path: str) -> list[float]:
     """Per-second increase of a counter between consecutive frames (restarts count from zero)."""
     out = []
     for a, b in pairwise(history):
-        dt = b["ts"] - a["ts"]
+        dt = get(b, "ts") - get(a, "ts")
         delta = get(b, path) - get(a, path)
         if delta < 0:  # the engine restarted: its counters began again
             delta = get(b, path)
@@ -64,7 +68,7 @@ def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float | 
     if len(history) < 2:
         return None
     last = history[-1]
-    start, since = engine_start(last), last["ts"] - span_s
+    start, since = engine_start(last), get(last, "ts") - span_s
     first = None
     for i in range(len(history) - 2, -1, -1):  # newest first: only the last few seconds are read
         f = history[i]
@@ -77,7 +81,7 @@ def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float | 
         first = f
     if first is None:
         return None
-    dt = last["ts"] - first["ts"]
+    dt = get(last, "ts") - get(first, "ts")
     delta = get(last, path) - get(first, path)
     return max(delta, 0.0) / dt if dt > 0 else None
 

@@ -25,7 +25,7 @@ class ThroughputPanel(Panel):
         rows = []
         for label, style, path in LINES:
             vals = series.values(hist, path)
-            now = series.get(view.frame, path)
+            now = series.get(view.frame, path, None)  # – where the frame has no usable rate, not 0
             rows.append(
                 Text.assemble(
                     (f"{label:<13}", "bold"),
