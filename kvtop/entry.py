@@ -2,12 +2,18 @@
 never a traceback or typer's boxed panel. Both entry points run their typer app through `run_cli`.
 
 Exit statuses: 2 when no engine answers (and click's usage errors), 130 on ^C, 1 for the rest
-(`CLIError` carries its own).
+(`CLIError` carries its own). A crash — an exception nothing expected, kvtop's own bug or one a
+hostile input brings out, and the exception that ended the dashboard (`KvtopApp.run`) — is one
+line and status 1 too: its traceback goes to a file under the cache dir (`crash_report`).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import time
+import traceback
 
 import typer
 from rich.console import Console
@@ -31,6 +37,22 @@ def _fail(prog: str, message: str, code: int) -> None:
     except OSError:  # stderr went away too (a closed terminal): the status still says it
         pass
     sys.exit(code)
+
+
+def crash_report(prog: str, exc: BaseException) -> str:
+    """One line naming `exc`, and where its traceback was written (KVTOP_CACHE or ~/.cache/kvtop,
+    `crashes/PROG-TIME-PID.txt`): a bug report needs the traceback, a terminal needs one line."""
+    from engine.paths import cache_dir
+
+    said = re.sub(r"\s+", " ", f"{type(exc).__name__}: {exc}").strip().rstrip(":")
+    said = said if len(said) <= 200 else said[:199] + "…"
+    path = cache_dir() / "crashes" / f"{prog}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exc)))
+    except OSError as write_error:
+        return f"{said} (the traceback could not be kept: {write_error.strerror or write_error})"
+    return f"{said} (traceback in {path})"
 
 
 def run_cli(app: typer.Typer, prog: str, argv: list[str] | None = None) -> None:
@@ -57,5 +79,7 @@ def run_cli(app: typer.Typer, prog: str, argv: list[str] | None = None) -> None:
         _fail(prog, str(exc), 1)
     except OSError as exc:  # the terminal went away mid-write, a file that cannot be written
         _fail(prog, str(exc), 1)
+    except Exception as exc:  # a crash: one line, the traceback in a file
+        _fail(prog, f"crashed: {crash_report(prog, exc)}", 1)
     if isinstance(code, int) and code:
         sys.exit(code)

@@ -325,6 +325,24 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         # ←/→) must not steal a dialog's or the filter box's keys (tab still moves the focus)
         return action not in DASHBOARD_ACTIONS or not self.typing
 
+    # ---- a crash: Textual ends the app; the command says so in one line -----------------------
+    def _handle_exception(self, error: Exception) -> None:
+        """An exception no handler caught ends the app, as Textual does, but Textual's traceback
+        (drawn over the terminal as the app closes) is dropped: `run` raises the exception once
+        the terminal is restored, and `kvtop.entry.run_cli` prints one line and keeps the
+        traceback in a file."""
+        drawn = len(self._exit_renderables)
+        super()._handle_exception(error)
+        del self._exit_renderables[drawn:]
+
+    def run(self, *args, **kwargs) -> int | None:
+        """Textual's `run`; the exception that ended the app, if one did, is raised from here (its
+        `return_code` is 1, but `run` returns the app's result, which a crash leaves None)."""
+        result = super().run(*args, **kwargs)
+        if self._exception is not None:
+            raise self._exception
+        return result
+
     async def action_quit_now(self) -> None:
         await self.action_quit()
 
