@@ -10,11 +10,11 @@ _kvctl_complete() {
     done
     case "$sub" in
         "")
-            COMPREPLY=( $(compgen -W "bench completion drain evict plan record replay resume run serve snapshot status --version --help" -- "$cur") )
+            COMPREPLY=( $(compgen -W "bench calibrate completion drain evict plan record replay resume run serve snapshot status whatif --version --help" -- "$cur") )
             ;;
         bench)
             case "$prev" in
-                --base-url) COMPREPLY=(); return 0 ;;
+                --base-url|--url) COMPREPLY=(); return 0 ;;
                 --model) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
                 --dataset) COMPREPLY=(); return 0 ;;
                 --num-prompts) COMPREPLY=(); return 0 ;;
@@ -36,7 +36,35 @@ _kvctl_complete() {
                 --json) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--base-url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --scrape-interval --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--base-url --url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --scrape-interval --json --help" -- "$cur") )
+            fi
+            ;;
+        calibrate)
+            case "$prev" in
+                --output|-o) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --requests) COMPREPLY=(); return 0 ;;
+                --max-prompt) COMPREPLY=(); return 0 ;;
+                --max-output) COMPREPLY=(); return 0 ;;
+                --prompt-seed) COMPREPLY=(); return 0 ;;
+                --model|-m) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return 0 ;;
+                --device) COMPREPLY=(); return 0 ;;
+                --kv-cache-memory) COMPREPLY=(); return 0 ;;
+                --gpu-memory-utilization) COMPREPLY=(); return 0 ;;
+                --block-size) COMPREPLY=(); return 0 ;;
+                --max-num-seqs) COMPREPLY=(); return 0 ;;
+                --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
+                --max-model-len) COMPREPLY=(); return 0 ;;
+                --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
+                --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
+                --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
+                --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
+                --cpu-offload-memory) COMPREPLY=(); return 0 ;;
+                --seed) COMPREPLY=(); return 0 ;;
+                --served-model-name) COMPREPLY=(); return 0 ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=( $(compgen -W "--output -o --requests --max-prompt --max-output --prompt-seed --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         completion)
@@ -89,9 +117,10 @@ _kvctl_complete() {
                 --interval) COMPREPLY=(); return 0 ;;
                 --engine) COMPREPLY=(); return 0 ;;
                 --reason) COMPREPLY=(); return 0 ;;
+                --scrape-timeout) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--url --output -o --duration --interval --engine --reason --force --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--url --output -o --duration --interval --engine --reason --force --scrape-timeout --help" -- "$cur") )
             fi
             ;;
         replay)
@@ -201,6 +230,29 @@ _kvctl_complete() {
             esac
             if [[ "$cur" == -* ]]; then
                 COMPREPLY=( $(compgen -W "--socket --json --url --engine --help" -- "$cur") )
+            fi
+            ;;
+        whatif)
+            case "$prev" in
+                --kv-cache-memory) COMPREPLY=(); return 0 ;;
+                --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
+                --block-size) COMPREPLY=(); return 0 ;;
+                --max-num-seqs) COMPREPLY=(); return 0 ;;
+                --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
+                --max-model-len) COMPREPLY=(); return 0 ;;
+                --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
+                --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
+                --cpu-offload-memory) COMPREPLY=(); return 0 ;;
+                --load) COMPREPLY=(); return 0 ;;
+                --calibration) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --sweep) COMPREPLY=(); return 0 ;;
+                --points) COMPREPLY=(); return 0 ;;
+                --slo) COMPREPLY=(); return 0 ;;
+            esac
+            if [[ "$cur" == -* ]]; then
+                COMPREPLY=( $(compgen -W "--kv-cache-memory --kv-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --schedule-policy --preemption-mode --cpu-offload-memory --load --calibration --sweep --points --slo --json --help" -- "$cur") )
+            else
+                COMPREPLY=( $(compgen -f -- "$cur") )
             fi
             ;;
     esac

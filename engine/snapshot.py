@@ -6,8 +6,9 @@ moved into place, so a crash mid-write never leaves a partial `.kvsnap`. Secrets
 config (the API key, anything named like a key, token, secret or password) are redacted.
 
 Where it goes is checked before anything is written (`check_target`): valid text, no NUL, a
-directory that exists (never created, except the server's own snapshot dir), and nothing
-replaced unless asked (`force`) — and even then only a regular file, never through a symlink.
+directory that exists (never created, except the server's own snapshot dir; a path ending in `/`
+names a directory, which must exist), and nothing replaced unless asked (`force`) — and even then
+only a regular file, never through a symlink.
 
 Reading (`engine.snapshot_reader`): replay opens a file lazily, `read_snapshot` loads it all.
 """
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import stat
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -83,6 +85,10 @@ def check_target(path: str | os.PathLike, *, force: bool = False) -> Path:
     if st is not None and (stat.S_ISDIR(st.st_mode) or (stat.S_ISLNK(st.st_mode) and target.is_dir())):
         _check_dir(target)  # a directory (or a link to one): a fresh name in it, nothing replaced
         return target
+    if text.endswith("/"):  # `-o incidents/` means a directory: never a file named `incidents`
+        if st is None:
+            raise SnapshotError(f"the directory {target} does not exist (snapshots never create directories)")
+        raise SnapshotError(f"{target} is not a directory (a path ending in / names one)")
     _check_dir(target.parent)
     if st is not None:
         if not stat.S_ISREG(st.st_mode):
@@ -107,8 +113,19 @@ def _check_dir(directory: Path) -> None:
         raise SnapshotError(f"the directory {directory} does not exist (snapshots never create directories)")
     if not directory.is_dir():
         raise SnapshotError(f"{directory} is not a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise SnapshotError(f"cannot write in {directory}: permission denied")
+    _probe_write(directory)
+
+
+def _probe_write(directory: Path) -> None:
+    """Create and remove a file in `directory`, the one test that holds everywhere: root passes
+    os.access on /sys or /proc, which then refuse a new file. Before the snapshot's event is
+    logged, so a write that cannot happen is a 400, never an event saying it was taken."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvsnap-probe-", dir=directory)
+    except OSError as exc:
+        raise SnapshotError(f"cannot write in {directory}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def redact(value: Any, name: str = "") -> Any:

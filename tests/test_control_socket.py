@@ -272,3 +272,25 @@ def test_drain_timeout(idle):
     assert s.finish_reason == "abort"
     aborted = [e for e in idle.stats()["events"] if e["kind"] == "aborted"]
     assert "drain timeout" in aborted[-1]["detail"]
+
+
+def test_kvctl_status_says_when_the_drain_deadline_comes(idle):
+    """The drain row used to read `deadline in` and then a number that did not fit (a timeout of
+    1e308 s, now refused), and `deadline in 0 s` forever once a deadline without --abort-after had
+    passed. It shows how long is left, or that the deadline passed."""
+
+    def drain_row() -> str:
+        proc = kvctl("status", "--socket", str(idle.socket))
+        assert proc.returncode == 0, proc.stderr
+        return next(line for line in proc.stdout.splitlines() if line.startswith("drain "))
+
+    try:
+        with idle.control() as c:
+            c.drain(timeout_s=86400)
+        assert "deadline in 23h59m" in drain_row()
+        with idle.control() as c:
+            c.drain(timeout_s=0)
+        assert "deadline passed" in drain_row()
+    finally:
+        with idle.control() as c:
+            c.resume()

@@ -187,6 +187,56 @@ def test_kvctl_snapshot_with_a_non_utf8_name_is_one_line(server, out):
     assert os.listdir(out) == []
 
 
+def test_a_trailing_slash_names_a_directory(server, out):
+    """`-o incidents/` used to write a file named `incidents` when there was no such directory. A
+    path ending in / names a directory: a missing one is refused (snapshots never create one), an
+    existing one gets a fresh name in it, a file is not one."""
+    sock = ["--socket", str(server.socket)]
+    proc = kvctl("snapshot", "-o", f"{out}/missing_dir/", *sock)
+    assert proc.returncode == 1 and "does not exist" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and os.listdir(out) == []
+    (out / "incidents").mkdir()
+    proc = kvctl("snapshot", "-o", f"{out}/incidents/", *sock)
+    assert proc.returncode == 0 and Path(proc.stdout.strip()).parent == out / "incidents", proc.stderr
+    (out / "notes.txt").write_text("mine")
+    proc = kvctl("snapshot", "-o", f"{out}/notes.txt/", "--force", *sock)
+    assert proc.returncode == 1 and "is not a directory" in proc.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="no /sys here")
+def test_a_snapshot_that_cannot_be_written_is_no_event(server):
+    """Root passes every permission check on /sys, which then refuses a new file: the write failed
+    after its `snapshot` event was logged, so the events (and kvctl status, and the dashboard) said
+    a snapshot was taken that never was."""
+    proc = kvctl("snapshot", "-o", "/sys/kernel/x.kvsnap", "--socket", str(server.socket))
+    assert proc.returncode == 1 and "/sys/kernel" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    with server.control() as c:
+        events = c.history()["events"]
+        snapshots = c.stats()["server"]["snapshots"]
+    assert not [e for e in events if "/sys/kernel" in e["detail"]], events
+    assert not [s for s in snapshots if "/sys/kernel" in s["path"]]
+
+
+def test_a_drain_timeout_is_bounded(server):
+    """`timeout_s: 1e308` drained with a deadline at the end of time: the OpenAI API's 503 then
+    carried a 309-digit Retry-After. A day at most, at validation; 0 is a deadline of now."""
+    try:
+        for bad in (b"1e308", b"86401", b"-1", b"1e999", b"NaN", b"Infinity"):
+            r = post_raw(server, "/v1/drain", b'{"timeout_s": ' + bad + b"}")
+            assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
+            assert server.stats()["engine"]["state"] == "running"  # a refused drain drains nothing
+        r = post_raw(server, "/v1/drain", b'{"timeout_s": 1e308}')
+        assert r.json()["error"]["param"] == "timeout_s" and "86400" in r.json()["error"]["message"], r.text
+        r = post_raw(server, "/v1/drain", b'{"timeout_s": 86400}')
+        assert r.status_code == 200 and r.json()["drain"]["timeout_s"] == 86400
+        late = server.http().post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 1})
+        assert late.status_code == 503 and 86390 <= int(late.headers["retry-after"]) <= 86400
+    finally:
+        post_raw(server, "/v1/resume", b"{}")
+
+
 # ---- what a snapshot holds ----------------------------------------------------------------------
 def test_snapshots_hold_no_secret_and_are_0600(server, out):
     path = out / "secret-check.kvsnap"

@@ -97,6 +97,40 @@ def test_argument_errors_before_any_connection(tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e309", "-1", "86401"])
+def test_a_drain_timeout_that_cannot_be_used_is_one_line(value, tmp_path, capsys):
+    """nan, inf and 1e309 (inf to Python) used to reach the engine as JSON it cannot hold: a traceback."""
+    code, _, err = run(["drain", "--timeout", value, "--socket", str(tmp_path / "x.sock")], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "--timeout" in err and "from 0 to 86400" in err, err
+
+
+BAD_URLS = {
+    "http://127.0.0.1:abc": "the port 'abc' is not a number",
+    "http://[::1": "the [ of its IPv6 address is not closed",
+}
+
+
+@pytest.mark.parametrize("url", list(BAD_URLS))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status", "--url"],
+        ["status", "--url", "http://127.0.0.1:1", "--url"],
+        ["record", "-o", "{tmp}/x.kvsnap", "--url"],
+        ["bench", "--url"],
+        ["bench", "--base-url"],
+    ],
+)
+def test_a_url_that_cannot_be_used_is_one_line(command, url, tmp_path, capsys):
+    """httpx's InvalidURL from deep inside the first request used to end kvctl in a traceback."""
+    code, _, err = run([part.format(tmp=tmp_path) for part in command] + [url], capsys)
+    assert code != 0
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"{url!r} is not a URL that can be reached: {BAD_URLS[url]}" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_serve_refuses_a_busy_port_before_loading_anything(tmp_path, capsys):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -151,12 +152,23 @@ def test_record_refuses_to_replace_a_file_before_recording_and_replaces_with_for
         (["--url", "http://127.0.0.1:1", "--duration", "soon"], "is not a time"),
         (["--url", "http://127.0.0.1:1", "--interval", "0"], "more than 0"),
         (["--url", "http://127.0.0.1:1", "--engine", "tgi"], "unknown engine 'tgi'"),
+        (["--url", "http://127.0.0.1:1", "--interval", "2000h"], "at most 86400 s"),
+        (["--url", "http://127.0.0.1:1", "--scrape-timeout", "0"], "more than 0"),
+        (["--url", "http://127.0.0.1:1", "--scrape-timeout", "soon"], "is not a time"),
     ],
 )
 def test_record_errors_are_one_line(args, message, tmp_path):
     r = kvctl("record", *args, "-o", str(tmp_path / "x.kvsnap"), timeout=30)
     assert r.returncode in (1, 2) and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x.kvsnap").exists()
+
+
+def test_a_trailing_slash_names_a_directory_that_must_exist(tmp_path):
+    """`-o missing_dir/` is a directory that is not there: refused before recording, where it used
+    to be written, a minute later, as a file named `missing_dir`."""
+    r = kvctl("record", "--url", "http://127.0.0.1:1", "-o", f"{tmp_path}/missing_dir/", timeout=30)
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -185,14 +197,16 @@ def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
 
 def test_ctrl_c_before_a_slow_engine_answers_says_so_in_one_line(tmp_path):
     """A careless Ctrl-C while the engine has not answered the first scrape: one line, exit 130, no
-    traceback and no file (it used to exit 130 without a word)."""
+    traceback and no file (it used to exit 130 without a word). The signal goes once the server
+    holds the scrape's connection, and the scrape may wait an hour (--scrape-timeout): only the
+    signal can end the wait. With the 5 s default a busy machine once let the timeout win (exit 1)."""
     import socket
 
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     listener.settimeout(60)
     out = tmp_path / "never.kvsnap"
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "0"],
+    proc = subprocess.Popen([*KVCTL, "record", "--url", url, "-o", str(out), "--duration", "0", "--scrape-timeout", "1h"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         conn, _ = listener.accept()  # the first scrape is under way

@@ -337,8 +337,11 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+MAX_DRAIN_TIMEOUT_S = 86400.0  # a day: the deadline feeds Retry-After and the countdowns, so it must be a sane number
+
+
 class DrainRequest(_Strict):
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(None, ge=0, le=MAX_DRAIN_TIMEOUT_S)  # 0: the deadline is now
     abort_after: bool = False
 
 

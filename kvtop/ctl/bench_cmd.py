@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +17,14 @@ from rich.table import Table
 from kvtop.ctl import bench
 from kvtop.dashboard.widgets.fmt import ms
 from kvtop.entry import CLIError
+from kvtop.urls import checked_url
 
 bench_app = typer.Typer(help="Load-test an OpenAI-compatible server; compare two runs.", no_args_is_help=False)
 out = Console()
 err = Console(stderr=True)
 
 DATASETS = ("random", "shared-prefix", "long-context", "jsonl")
+MAX_SCRAPE_INTERVAL_S = 3600.0
 
 
 def _range(text: str, name: str) -> tuple[int, int]:
@@ -39,7 +42,8 @@ def _range(text: str, name: str) -> tuple[int, int]:
 def bench_run(
     ctx: typer.Context,
     base_url: Annotated[
-        str, typer.Option(help="Server address, with or without the /v1 that `kvctl serve` prints.")
+        str,
+        typer.Option("--base-url", "--url", help="Server address, with or without the /v1 that `kvctl serve` prints."),
     ] = "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
     dataset: Annotated[str, typer.Option(help=" | ".join(DATASETS))] = "random",
@@ -72,6 +76,10 @@ def bench_run(
     goodput, and the server's own view when it is kvtop."""
     if ctx.invoked_subcommand is not None:
         return
+    try:
+        base_url = checked_url(base_url, "--base-url")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     _check_numbers(num_prompts, request_rate, burstiness, scrape_interval)
     try:
         slo_s = bench.parse_slo(slo)
@@ -99,12 +107,17 @@ def bench_run(
 
 
 def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scrape_interval: float) -> None:
+    """Comparisons written so that nan fails them too."""
     if num_prompts <= 0:
         raise typer.BadParameter("must be positive", param_hint="--num-prompts")
-    if request_rate <= 0 or burstiness <= 0:
-        raise typer.BadParameter("must be positive", param_hint="--request-rate/--burstiness")
-    if not scrape_interval >= 0:  # nan too
-        raise typer.BadParameter("must be 0 or more", param_hint="--scrape-interval")
+    if not request_rate > 0:  # inf is allowed: all at once
+        raise typer.BadParameter("must be positive (inf sends all at once)", param_hint="--request-rate")
+    if not 0 < burstiness < math.inf:
+        raise typer.BadParameter("must be a positive number", param_hint="--burstiness")
+    if not 0 <= scrape_interval <= MAX_SCRAPE_INTERVAL_S:
+        raise typer.BadParameter(
+            f"must be 0 or more, at most {MAX_SCRAPE_INTERVAL_S:g} s", param_hint="--scrape-interval"
+        )
 
 
 def _workload(

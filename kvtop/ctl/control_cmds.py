@@ -38,6 +38,7 @@ def status(
     """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
     from kvtop.ctl.summary import render_status
 
+    url = _checked_urls(url)
     if url and len(url) > 1:  # a fleet: one line per engine
         _fleet_status(url, engine, socket, json_out)
         return
@@ -53,6 +54,16 @@ def status(
         # the last seconds of the flight recorder, so rate findings (preemptions/s…) can be made
         history = c.history(since=frame["ts"] - 10.0).get("frames", [])
     out.print(render_status(frame, out.width, history))
+
+
+def _checked_urls(urls: list[str] | None) -> list[str] | None:
+    """Every --url parsed before anything is read: one that cannot be used is one line, not a traceback."""
+    from kvtop.urls import checked_url
+
+    try:
+        return [checked_url(u) for u in urls] if urls else urls
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _metrics_frame(url: str | None, engine: str | None, socket: Path | None) -> dict:
@@ -107,13 +118,21 @@ def _fleet_status(urls: list[str], engine: str | None, socket: Path | None, json
 
 def drain(
     socket: SocketOption = None,
-    timeout: Annotated[float | None, typer.Option(help="Give up (exit 1) after this many seconds.")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Give up (exit 1) after this many seconds (at most 86400, a day).")
+    ] = None,
     abort_after: Annotated[
         bool, typer.Option("--abort-after", help="At the timeout, abort what is left (finish reason abort).")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
     """Stop admitting new requests and wait while those in flight finish. Exit 0 once drained."""
+    from engine.server.protocol import MAX_DRAIN_TIMEOUT_S
+
+    if timeout is not None and not 0 <= timeout <= MAX_DRAIN_TIMEOUT_S:  # nan, inf and 1e309 (inf) too
+        raise typer.BadParameter(
+            f"{timeout:g} is not a number of seconds from 0 to {MAX_DRAIN_TIMEOUT_S:g} (a day)", param_hint="--timeout"
+        )
     if abort_after and timeout is None:
         raise CLIError("--abort-after needs --timeout SECONDS")
     t0 = time.monotonic()
@@ -207,15 +226,22 @@ def evict(
 
 def snapshot(
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write here (default: the server's snapshot dir).")
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Write here (default: the server's snapshot dir). A directory (or a path ending in /, which must "
+            "be one that exists) gets a fresh name in it.",
+        ),
     ] = None,
     reason: Annotated[str, typer.Option(help="Why: recorded in the snapshot.")] = "manual",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file (a regular file only).")] = False,
     socket: SocketOption = None,
 ) -> None:
     """Write a snapshot: the flight recorder's frames, events, sequences and block table.
-    An existing file is never replaced without --force; missing directories are not created."""
-    path = _snapshot_path(output) if output else None
+    An existing file is never replaced without --force; missing directories are not created
+    (`-o missing/` is refused, not written as a file named `missing`)."""
+    path = _snapshot_path(output) if output is not None else None
     if not _is_text(reason):
         raise CLIError("--reason is not valid UTF-8 text")
     with _client(socket) as c:
@@ -231,10 +257,11 @@ def _is_text(value: str) -> bool:
     return "\x00" not in value
 
 
-def _snapshot_path(output: Path) -> str:
+def _snapshot_path(output: str) -> str:
     """The path the server is asked to write: absolute (the server has its own cwd), its last
-    part not resolved, so a symlink there is refused by the server rather than followed here."""
-    text = str(output.expanduser().absolute())
+    part not resolved, so a symlink there is refused by the server rather than followed here; a
+    trailing / kept, since it says the path is a directory (engine.snapshot.check_target)."""
+    text = str(Path(output).expanduser().absolute()) + ("/" if output.endswith("/") and output != "/" else "")
     if not _is_text(text):
         shown = text.encode("utf-8", "backslashreplace").decode()
         raise CLIError(f"the snapshot path {shown} is not valid UTF-8: the engine takes text paths, rename it")

@@ -7,7 +7,6 @@ import re
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -16,10 +15,12 @@ from rich.markup import escape
 
 from engine.snapshot import check_target
 from kvtop.sources.recorder import Recording, source_meta
+from kvtop.urls import checked_url
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "ms": 0.001}
 PROGRESS_EVERY_S = 10.0  # without a terminal: a progress line this often, not one per frame
 SCRAPE_TIMEOUT_S = 5.0  # a slow page delays the next scrape; a busy engine can take seconds to answer
+MAX_SECONDS = 86400.0  # --interval and --scrape-timeout: a day is already more than any use
 
 
 def parse_seconds(text: str, what: str) -> float:
@@ -30,6 +31,13 @@ def parse_seconds(text: str, what: str) -> float:
     value = float(m.group(1)) * _UNITS[m.group(2) or ""]
     if not math.isfinite(value):
         raise typer.BadParameter(f"{text!r} is too long", param_hint=what)
+    return value
+
+
+def _bounded(value: float, what: str) -> float:
+    """`value` if it is more than 0 and at most a day; BadParameter (one line) otherwise."""
+    if not 0 < value <= MAX_SECONDS:
+        raise typer.BadParameter(f"must be more than 0 and at most {MAX_SECONDS:g} s (a day)", param_hint=what)
     return value
 
 
@@ -74,7 +82,7 @@ def _stop_on_signals(rec: Recording) -> None:
     in the background left SIGINT ignored (a non-interactive shell does that to `cmd &`). The handler
     only sets the recording's flag: a KeyboardInterrupt raised from it could land in a finalizer,
     where Python drops it (seen once in CI: a SIGINT'd recording went on for 30 s). A scrape under way
-    still ends first (SCRAPE_TIMEOUT_S at most)."""
+    still ends first (--scrape-timeout at most)."""
 
     def stop(signum, frame) -> None:
         rec.stop()
@@ -92,7 +100,14 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 def record_command(
     url: Annotated[str, typer.Option("--url", help="The engine: its base URL (…/metrics is read) or a metrics URL.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The .kvsnap file to write (or a directory).")],
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            help="The .kvsnap file to write, or a directory (DIR/ must be one that exists).",
+        ),
+    ],
     duration: Annotated[str, typer.Option(help="How long to record: 60s, 5m, 1h; 0 records until Ctrl-C.")] = "60s",
     interval: Annotated[str, typer.Option(help="Time between two scrapes: 1s, 500ms.")] = "1s",
     engine: Annotated[
@@ -100,6 +115,9 @@ def record_command(
     ] = None,
     reason: Annotated[str, typer.Option(help="Why: recorded in the snapshot.")] = "kvctl record",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file (a regular file only).")] = False,
+    scrape_timeout: Annotated[
+        str, typer.Option(help="How long one page may take before it counts as missed: 5s, 30s (at most a day).")
+    ] = f"{SCRAPE_TIMEOUT_S:g}s",
 ) -> None:
     """Record an engine's /metrics (vLLM, SGLang, llama.cpp, kvtop) into a snapshot file that
     `kvctl replay` plays. Ctrl-C stops early and keeps what was recorded. An existing file is never
@@ -108,12 +126,11 @@ def record_command(
     from kvtop.sources.metrics import MetricsSource
 
     seconds = parse_seconds(duration, "--duration")
-    every = parse_seconds(interval, "--interval")
-    if every <= 0:
-        raise typer.BadParameter("the interval must be more than 0", param_hint="--interval")
+    every = _bounded(parse_seconds(interval, "--interval"), "--interval")
+    wait = _bounded(parse_seconds(scrape_timeout, "--scrape-timeout"), "--scrape-timeout")
     check_target(output, force=force)  # refused now, not after a minute of recording
     try:
-        source = MetricsSource(url, interval=every, engine=engine, timeout=SCRAPE_TIMEOUT_S)
+        source = MetricsSource(checked_url(url), interval=every, engine=engine, timeout=wait)
     except ValueError as exc:
         _fail(str(exc))
     rec = Recording(source, interval=every, duration=seconds or None)

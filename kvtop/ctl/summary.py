@@ -70,11 +70,17 @@ def _engine_rows(t: Table, frame: dict) -> None:
     )
     drain = frame.get("server", {}).get("drain")
     if drain and eng["state"] != "running":
-        left = f", deadline in {max(0.0, drain['deadline'] - time.time()):.0f} s" if drain.get("deadline") else ""
+        left = f", {_deadline(drain['deadline'])}" if drain.get("deadline") else ""
         then = " then abort" if drain.get("abort_after") else ""
         t.add_row(
             "drain", f"{len(frame.get('sequences', []))} requests left{left}{then}; aborted {drain.get('aborted', 0)}"
         )
+
+
+def _deadline(at: float) -> str:
+    """`deadline in 4m10s`, or `deadline passed`: without --abort-after a drain goes on past it."""
+    left = at - time.time()
+    return f"deadline in {duration(left)}" if left > 0 else "deadline passed"
 
 
 def _kv_rows(t: Table, frame: dict, width: int, history: list[dict]) -> None:
