@@ -33,11 +33,11 @@ def assert_valid(frame: dict) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     tmp = short_tmpdir()
-    # the default path, $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock, where a dead engine left its socket
-    # in a directory that is too open: the socket is replaced and the directory made 0700
+    # the default path, $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock, where a dead engine left its socket:
+    # it is replaced (a directory too open, or another user's, is refused: tests/test_local_trust.py)
     sock = tmp / f"kvtop-{os.getuid()}" / "engine.sock"
     stale_socket(sock)
-    sock.parent.chmod(0o755)
+    sock.parent.chmod(0o700)
     env = {"XDG_RUNTIME_DIR": str(tmp)}
     s = start_server(tiny_dir, "--kv-cache-memory", "4MiB", "--max-num-seqs", "8", "--stats-interval", "0.2",
                      "--history", "60", socket_path=sock, tmp=tmp, env=env, pass_socket=False)  # fmt: skip

@@ -173,6 +173,12 @@ def test_the_command_line_opens_the_source_it_names(monkeypatch, tmp_path: Path)
         (["--engine", "vllm"], "--engine goes with --url or --targets"),
         (["--targets", "/nonexistent/fleet.txt"], "cannot read --targets /nonexistent/fleet.txt"),
         (["--prometheus", "http://p:9090", "--url", "http://a:1"], "not with --url or --targets"),
+        (["--url", "http://127.0.0.1:abc"], "'http://127.0.0.1:abc' is not a URL that can be reached: the port 'abc'"),
+        (["--url", "http://[::1"], "the [ of its IPv6 address is not closed"),
+        (["--url", "http://a:1", "--url", "http://b:99999"], "the port 99999 is not between 1 and 65535"),
+        (["--prometheus", "http://p:abc"], "--prometheus 'http://p:abc' is not a URL that can be reached"),
+        (["--interval", "nan"], "--interval nan: give seconds from 0.05 to 3600"),
+        (["--interval", "inf"], "--interval inf: give seconds from 0.05 to 3600"),
     ],
 )
 def test_a_command_line_it_cannot_act_on_is_one_line(argv, says, capsys, monkeypatch):
@@ -190,3 +196,14 @@ def test_an_empty_targets_file_is_refused(tmp_path: Path, capsys):
     with pytest.raises(SystemExit):
         main(["--targets", str(empty)])
     assert "names no engine" in capsys.readouterr().err
+
+
+def test_a_targets_file_with_a_url_that_cannot_be_used_names_it(tmp_path: Path, capsys):
+    targets = tmp_path / "fleet.txt"
+    targets.write_text("http://node-1:8000\nhttp://node-2:eighty\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--targets", str(targets)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvtop: --targets {targets}: 'http://node-2:eighty' is not a URL that can be reached: "
+                   "the port 'eighty' is not a number"]  # fmt: skip

@@ -1,9 +1,14 @@
-"""Where the control socket lives, and binding it and the TCP port safely.
+"""Where the control socket lives, who may stand behind it, and binding it and the TCP port safely.
 
 Path (DESIGN §5): `--socket`, else `KVTOP_SOCKET`, else `${XDG_RUNTIME_DIR:-/tmp}/kvtop-$UID/engine.sock`.
 The socket is bound by us rather than by uvicorn, which would make it 0666: it is created 0600
-(umask while binding) in a directory we create 0700. A socket file nobody answers on is stale
-(an engine that died) and is replaced; one that answers means another engine owns it.
+(umask while binding) in a directory we create 0700. The directory is the trust anchor: whoever can
+write in it can replace the socket and stand in for the engine, so an existing one that another
+user owns, or that is open to group or others, is refused (before the model loads) rather than
+used or tightened. A socket file nobody answers on is stale (an engine of ours that died) and is
+replaced; one that answers means another engine owns it; one another user owns is not touched.
+Clients check the same from their side (`kvtop.client`), and the listening process's uid too
+(`peer_uid`), which a swapped file cannot fake.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import socket
 import stat
+import struct
 from pathlib import Path
 
 from engine.server.config import ServeError
@@ -32,21 +39,64 @@ def resolve_socket(path: str | Path | None = None) -> Path:
     return Path(env).expanduser() if env else default_socket_path()
 
 
-def _is_default_dir(directory: Path) -> bool:
-    return directory == default_socket_path().parent
+def describe_uid(uid: int) -> str:
+    """`uid 65534 (nobody)`: the number, and the name where the system has one."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a connected Unix socket, from the kernel
+    (SO_PEERCRED: fixed when that process listened, so no file swapped in later can fake it);
+    None where the platform has no such option."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def check_socket_dir(directory: Path) -> None:
+    """Fail unless `directory` is a directory that only this process's user can enter and write:
+    owned by us, no group or other bits. Another user's directory (made first at the default path,
+    say) would let that user replace the socket and stand in for the engine."""
+    try:
+        link = directory.lstat()
+        st = directory.stat()
+    except OSError as exc:
+        raise ServeError(f"cannot use the socket directory {directory}: {exc.strerror}") from None
+    me = os.getuid()
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
+        raise ServeError(
+            f"the socket directory {directory} is a symbolic link of {describe_uid(link.st_uid)}'s, not yours "
+            f"({describe_uid(me)}): remove it or pass another --socket"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise ServeError(f"{directory} is not a directory: pass --socket with a path in a directory")
+    if st.st_uid != me:
+        raise ServeError(
+            f"the socket directory {directory} belongs to {describe_uid(st.st_uid)}, not to you ({describe_uid(me)}): "
+            "that user could stand in for the engine; remove it or pass --socket in a directory of yours"
+        )
+    if st.st_mode & 0o077:
+        raise ServeError(
+            f"the socket directory {directory} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+            f"`chmod 700 {directory}`, remove it, or pass --socket in a directory only you can open (0700)"
+        )
 
 
 def _prepare_dir(directory: Path) -> None:
-    if not directory.exists():
-        try:
-            directory.mkdir(mode=0o700, parents=True)
-        except OSError as exc:
-            raise ServeError(f"cannot create the socket directory {directory}: {exc.strerror}") from None
+    """Create `directory` 0700, or check the one that is there (another user may have made it first)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ServeError(f"cannot create the socket directory {directory}: {exc.strerror}") from None
+    else:
         os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-    elif _is_default_dir(directory) and directory.stat().st_uid == os.getuid():
-        os.chmod(directory, 0o700)
-    if not directory.is_dir():
-        raise ServeError(f"{directory} is not a directory: pass --socket with a path in a directory")
+    check_socket_dir(directory)
 
 
 def check_socket_path(path: Path) -> None:
@@ -60,9 +110,12 @@ def check_socket_path(path: Path) -> None:
 
 
 def check_socket(path: Path) -> None:
-    """Fail if `path` cannot be a socket or another engine answers there; remove a stale socket
-    file. Called before the model loads, so a bad --socket fails in a moment, not after it."""
+    """Fail if `path` cannot be a socket of ours: its directory exists and is not ours alone, a
+    file there is not a socket or is another user's, or another engine answers there; remove a
+    stale socket file. Called before the model loads, so a bad --socket fails in a moment."""
     check_socket_path(path)
+    if os.path.lexists(path.parent):
+        check_socket_dir(path.parent)
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -71,6 +124,11 @@ def check_socket(path: Path) -> None:
         raise ServeError(f"cannot use the socket path {path}: {exc.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise ServeError(f"{path} exists and is not a socket: remove it or pass another --socket")
+    if st.st_uid != os.getuid():  # not probed, not replaced: it is not ours to judge
+        raise ServeError(
+            f"the socket {path} belongs to {describe_uid(st.st_uid)}, not to you ({describe_uid(os.getuid())}): "
+            "remove it or pass another --socket"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -89,7 +147,7 @@ def check_socket(path: Path) -> None:
 
 
 def bind_unix(path: Path) -> socket.socket:
-    """A listening Unix socket at `path`, mode 0600, in a 0700 directory."""
+    """A listening Unix socket at `path`, mode 0600, in a 0700 directory of ours."""
     check_socket_path(path)
     _prepare_dir(path.parent)
     check_socket(path)

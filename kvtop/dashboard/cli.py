@@ -13,7 +13,10 @@ from typing import Annotated
 
 import typer
 
+from kvtop.urls import checked_url
+
 ENGINES = ("vllm", "sglang", "llamacpp", "kvtop")
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 3600.0
 
 cli = typer.Typer(
     name="kvtop",
@@ -44,6 +47,8 @@ def pick(socket, replay, url, engine, targets, prometheus, interval):
     """(source, fleet) for the command line, or UsageError."""
     from kvtop.sources import LiveSource
 
+    if not MIN_INTERVAL_S <= interval <= MAX_INTERVAL_S:  # nan and inf too
+        raise UsageError(f"--interval {interval:g}: give seconds from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g}")
     remote = bool(url or targets or prometheus)
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
@@ -59,8 +64,9 @@ def pick(socket, replay, url, engine, targets, prometheus, interval):
         if prometheus is not None:
             from kvtop.fleet.prometheus import PrometheusFleet
 
-            return None, PrometheusFleet(prometheus, interval=max(interval, 1.0))
-        urls = [*(url or []), *(read_targets(targets) if targets else [])]
+            return None, PrometheusFleet(checked_url(prometheus, "--prometheus"), interval=max(interval, 1.0))
+        urls = [checked_url(u) for u in url or []]
+        urls += [checked_url(u, f"--targets {targets}:") for u in (read_targets(targets) if targets else [])]
         if len(urls) > 1:
             from kvtop.fleet import Fleet
 
@@ -79,7 +85,23 @@ def pick(socket, replay, url, engine, targets, prometheus, interval):
             return ReplaySource.open(replay), None  # frames are read as they are shown
         except SnapshotError as exc:
             raise UsageError(str(exc)) from None
+    _check_trusted(socket)
     return LiveSource(socket, interval), None
+
+
+def _check_trusted(socket: str | None) -> None:
+    """An engine socket another local user stands behind is refused now, in one line, rather than
+    shown as a dashboard that never connects (the client refuses it on every poll anyway). One
+    that is not there yet is fine: the dashboard waits for the engine."""
+    from kvtop.client import EngineClient, EngineRequestError, EngineUnavailable, SocketNotTrusted
+
+    try:
+        with EngineClient(socket, timeout=5.0) as client:
+            client.healthz()
+    except SocketNotTrusted as exc:
+        raise UsageError(str(exc)) from None
+    except (EngineUnavailable, EngineRequestError):
+        pass
 
 
 @cli.command()
@@ -90,7 +112,7 @@ def run(
             "--socket", help="Control socket (default: $KVTOP_SOCKET, else $XDG_RUNTIME_DIR/kvtop-$UID/engine.sock)."
         ),
     ] = None,
-    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between polls.")] = 1.0,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between polls (0.05 to 3600).")] = 1.0,
     readonly: Annotated[
         bool, typer.Option("--readonly", help="No actions: drain, resume, evict and snapshot are removed.")
     ] = False,
