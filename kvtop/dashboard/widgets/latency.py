@@ -61,7 +61,9 @@ def pct_line(label: str, summary: dict) -> str:
 def histogram(counts: list[int], buckets: list[float], marks: dict, width: int, lines: int) -> list[Text]:
     """At most `lines` rows for the non-empty bucket range: bars (two rows when there is room),
     a row of `▲` under the P50/P95/P99 buckets, an axis of bucket bounds. With only one line,
-    the percentile buckets are drawn reversed in the bar row instead."""
+    the percentile buckets are drawn reversed in the bar row instead. A count that is not a usable
+    number, or below 0, is drawn as 0."""
+    counts = [max(0.0, fmt.number(c) or 0.0) for c in counts]
     nz = [i for i, c in enumerate(counts) if c]
     if not nz:
         return [Text(" " * MARGIN + "no observations", "dim italic")]
