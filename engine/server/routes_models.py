@@ -41,11 +41,14 @@ def health_router(s: Serving, registry) -> APIRouter:
     """No API key on these, as vLLM: probes and scrapers do not carry one."""
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"], **HEALTH_DOC)
     async def health():
         state = s.engine.state
         ok = state == "running" and s.loop.running
         return JSONResponse({"status": "ok" if ok else state, "state": state}, status_code=200 if ok else 503)
+
+    # one route per method: one route for both gave both the same OpenAPI operation id (a warning)
+    router.get("/health", operation_id="health_health_get", **HEALTH_DOC)(health)
+    router.head("/health", operation_id="health_health_head", **HEALTH_DOC)(health)
 
     @router.get("/metrics", response_class=PlainTextResponse)
     def metrics():  # sync: runs in the threadpool, a frame costs a little
