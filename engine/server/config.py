@@ -11,6 +11,7 @@ from engine.errors import ConfigError, EngineError
 TRIGGERS = ("preemption-storm", "slo-breach", "queue-full")
 DEFAULT_MAX_REQUEST_BODY = 8 * 1024**2
 DEFAULT_READ_TIMEOUT = 5.0
+DEFAULT_REQUEST_TIMEOUT = 30.0
 
 
 def default_snapshot_dir() -> Path:
@@ -38,8 +39,10 @@ class ServerConfig:
     slo_min_requests: int = 5  # ... once the minute holds at least this many samples
     snapshot_cooldown: float = 300.0  # seconds before the same trigger fires again
     max_request_body: int | str = DEFAULT_MAX_REQUEST_BODY  # bytes or "8MiB"; a bigger body gets 413
-    read_timeout: float = DEFAULT_READ_TIMEOUT  # a client silent this long mid-headers or mid-body is cut off
-    max_connections: int = 1024  # open connections; beyond it new requests get 503 (uvicorn's limit_concurrency)
+    read_timeout: float = DEFAULT_READ_TIMEOUT  # headers must be whole, and a body may not go silent, this long
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # headers + body whole this long after their first byte
+    max_connections: int = 1024  # open connections; beyond it new ones get 503 (app.py's ConnectionLimits)
+    max_connections_per_ip: int | None = None  # from one client address, beyond it 503; None: connections_per_ip()
     warmup: bool = True  # one full-budget step before serving (engine/warmup.py)
 
     def __post_init__(self) -> None:
@@ -48,8 +51,10 @@ class ServerConfig:
             raise ConfigError("max_request_body must be at least 1KiB")
         if not self.read_timeout > 0:
             raise ConfigError("read_timeout must be positive (seconds)")
-        if self.max_connections < 1:
-            raise ConfigError("max_connections must be >= 1")
+        if not self.request_timeout > 0:
+            raise ConfigError("request_timeout must be positive (seconds)")
+        if self.max_connections < 1 or (self.max_connections_per_ip or 1) < 1:
+            raise ConfigError("max_connections and max_connections_per_ip must be >= 1")
         unknown = [t for t in self.snapshot_on if t not in TRIGGERS]
         if unknown:
             raise ConfigError(f"unknown snapshot trigger {', '.join(unknown)}: use {', '.join(TRIGGERS)}")
@@ -67,6 +72,15 @@ class ServerConfig:
             raise ConfigError("storm_preemptions must be >= 1 and storm_window positive")
         if self.snapshot_cooldown < 0:
             raise ConfigError("snapshot_cooldown must be >= 0 (seconds)")
+
+    def connections_per_ip(self, max_num_seqs: int) -> int:
+        """The open connections one client address may hold. By default enough to fill the server
+        (max_num_seqs + max_queue, and never under 64), so that one client, or a gateway in front,
+        meets a full queue (429) before this limit; but at most half of max_connections, so that
+        one address can never hold every connection."""
+        if self.max_connections_per_ip is not None:
+            return self.max_connections_per_ip
+        return max(1, min(max(64, max_num_seqs + self.max_queue), self.max_connections // 2))
 
     @staticmethod
     def parse_triggers(value: str | None) -> tuple[str, ...]:

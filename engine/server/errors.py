@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import traceback
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +23,18 @@ from engine.server.protocol import APIError
 def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
     """JSON with non-ASCII escaped: an error that quotes a client's bytes can always be encoded."""
     return Response(json.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def closing_response(err: APIError) -> bytes:
+    """The whole HTTP/1.1 answer for `err`, ending the connection: what the connection's own
+    protocol (app.py) writes when there is no request to hand the app (refused at connect, timed out)."""
+    body = json.dumps(err.body()).encode()
+    headers = {"content-type": "application/json", "connection": "close",
+               **{name.lower(): value for name, value in err.headers.items()}, "content-length": str(len(body))}  # fmt: skip
+    head = f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}\r\n" + "".join(
+        f"{name}: {value}\r\n" for name, value in headers.items()
+    )
+    return (head + "\r\n").encode("latin-1") + body
 
 
 def install_error_handlers(app: FastAPI) -> None:

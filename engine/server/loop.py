@@ -106,6 +106,27 @@ class EngineLoop:
         self._wake.set()
         return found
 
+    def abort_all(self, detail: str) -> None:
+        """Abort every request in flight (from any thread): each ends with reason `abort` at the next step."""
+        for request_id in list(self.engine.seqs):
+            self.engine.abort(request_id, detail)
+        self._wake.set()
+
+    def end_unfinished(self, reason: str, detail: str) -> int:
+        """Finish at once every request whose handler still waits for outputs, with `reason` and
+        no further tokens: for when the engine thread cannot be waited for (a step failed, the
+        process is exiting). Safe from any thread: a request's sink is taken once, here or by
+        the engine thread's own finished output, never both. Returns how many were ended."""
+        ended = 0
+        for request_id in list(self._sinks):
+            sink = self._sinks.pop(request_id, None)
+            if sink is None or self._aloop is None:
+                continue
+            out = RequestOutput(request_id, None, [], [], finished=True, finish_reason=reason, finish_detail=detail)
+            self._aloop.call_soon_threadsafe(self._deliver, sink, out)
+            ended += 1
+        return ended
+
     def _deliver(self, sink: Sink, out: RequestOutput) -> None:
         if out.finished:
             self.inflight -= 1
@@ -276,15 +297,8 @@ class EngineLoop:
     def _crashed(self, tb: str) -> None:
         """A step raised: fail every request in flight with reason `error`, keep serving."""
         log(f"engine step failed; aborting the requests in flight:\n{tb}")
-        for request_id in list(self.engine.seqs):
-            self.engine.abort(request_id, "engine error")
-        for request_id, sink in list(self._sinks.items()):
-            self._sinks.pop(request_id, None)
-            out = RequestOutput(
-                request_id, None, [], [], finished=True, finish_reason="error", finish_detail="engine error"
-            )
-            if self._aloop is not None:
-                self._aloop.call_soon_threadsafe(self._deliver, sink, out)
+        self.abort_all("engine error")
+        self.end_unfinished("error", "engine error")
 
 
 def _pid() -> int:

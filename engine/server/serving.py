@@ -1,4 +1,5 @@
-"""What every OpenAI route shares: the API key, the model check, sampling parameters, admission.
+"""What every OpenAI route shares: the model check, sampling parameters, admission. (The API key
+is checked before any route runs: app.py's protocol.)
 
 `Serving` holds the per-server facts (the engine loop, the served name, the prompt builder) and
 turns a validated request into an admitted `Job`, or an `APIError` a client can act on: 400 for
@@ -8,7 +9,6 @@ what can never be served, 429 for a full queue, 503 while draining.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import math
 import time
 import uuid
@@ -82,14 +82,6 @@ class Serving:
                 lp = logprobs(out, TokenCursor(self.engine.decode).take(out.token_ids, len(out.text or ""), True))
             choices.append(choice(i, out, lp))
         return {**base, "choices": choices, "usage": job.usage()}
-
-    def require_key(self, request: Request) -> None:
-        key = self.loop.config.api_key
-        if not key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_model(self, model: str) -> None:
         if model != self.served:

@@ -17,6 +17,10 @@ from engine.server.config import TRIGGERS, ServerConfig
 from kvtop.ctl.options import SOCKET_HELP, with_engine_options, with_options
 
 _S = "Server"
+PER_IP_HELP = (
+    "Open connections from one client address; beyond them new ones get 503 "
+    "(default: max-num-seqs + max-queue, at least 64, at most half of max-connections)."
+)
 
 
 def _opt(help: str, *names: str, **kwargs) -> object:
@@ -40,12 +44,15 @@ SERVER_OPTIONS: dict[str, tuple[object, object]] = {
     "slo_itl": (float, _opt("slo-breach: ITL P99 over the last minute above this (s).")),
     "snapshot_cooldown": (float, _opt("Seconds before the same trigger fires again.")),
     "max_request_body": (str, _opt("Largest request body (bytes or e.g. 8MiB); more gets 413.")),
-    "read_timeout": (float, _opt("Seconds a client may stall mid-request before it is cut off.")),
-    "max_connections": (int, _opt("Open connections; beyond them new requests get 503.")),
+    "read_timeout": (float, _opt("Seconds for a request's headers, and that a body may go silent; then 408.")),
+    "request_timeout": (float, _opt("Seconds for a whole request (headers and body) from its first byte; then 408.")),
+    "max_connections": (int, _opt("Open connections; beyond them new ones get 503.")),
+    "max_connections_per_ip": (int | None, _opt(PER_IP_HELP)),
     "warmup": (bool, _opt("One full-size step before serving: the first requests skip its first-time costs.")),
 }
 # the flag's default where it is not ServerConfig's: unset means "the server decides", or text
-_DEFAULTS = {"socket": None, "api_key": None, "snapshot_dir": None, "snapshot_on": None, "max_request_body": "8MiB"}
+_DEFAULTS = {"socket": None, "api_key": None, "snapshot_dir": None, "snapshot_on": None, "max_request_body": "8MiB",
+             "max_connections_per_ip": None}  # fmt: skip
 SERVER_DEFAULTS = {
     **{f.name: f.default for f in fields(ServerConfig) if f.name in SERVER_OPTIONS and f.default is not MISSING},
     **_DEFAULTS,
