@@ -23,8 +23,9 @@ FAULT_TOKEN = 31337  # a step carrying this prompt token raises (KVTOP_FAULT_INJ
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
+    # 200 half-sent requests come from this one address at once (test 7): over the default per-address cap
     s = start_server(tiny_dir, "--kv-cache-memory", "2MiB", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
-                     "4", "--max-queue", "2", "--read-timeout", str(READ_TIMEOUT),
+                     "4", "--max-queue", "2", "--read-timeout", str(READ_TIMEOUT), "--max-connections-per-ip", "256",
                      env={"KVTOP_FAULT_INJECT": f"token={FAULT_TOKEN}"})  # fmt: skip
     yield s
     s.cleanup()
@@ -217,6 +218,17 @@ def test_a_50mb_body_is_refused_with_413_while_health_answers_and_rss_stays_boun
     assert _rss_bytes(server.proc.pid) - rss0 < 200 * 1024**2
     with server.http() as http:
         assert http.post("/v1/completions", json=_completion(server, max_tokens=2)).status_code == 200
+
+
+def test_a_prompt_of_long_tokens_that_fits_is_served_not_refused_by_its_length_in_characters(server):
+    # "\n" and 80 spaces is one token of SmolLM2's vocabulary (the longest): 200 of them are 16,200
+    # characters but 200 tokens, which fit in max_model_len 256; a fixed characters-per-token guess
+    # (16) refused them unread
+    prompt = ("\n" + " " * 80) * 200
+    with server.http() as http:
+        r = http.post("/v1/completions", json=_completion(server, prompt=prompt, max_tokens=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 200
 
 
 def test_token_id_lists_longer_than_the_model_are_refused_at_once(server):
