@@ -455,3 +455,13 @@ def test_any_values_through_mapping_frame_diagnosis_and_drawing(kind, data):
     for panel in (KVPanel, LatencyPanel, ThroughputPanel, PrefixPanel):
         panel().draw(view, 80, 30)
     cells_of(row_of("u", frame, frames[0]))
+
+
+def test_kvctl_status_with_prefix_queries_but_unusable_hits_prints_the_rest(hostile):
+    """A usable query counter beside a +Inf hit counter: the prefix row leaves the hits out
+    instead of ending `kvctl status` (it read `hit_tokens` whenever `query_tokens` was there)."""
+    body = "vllm:num_requests_running 2\nvllm:prefix_cache_queries_total 100\nvllm:prefix_cache_hits_total +Inf\n"
+    url = serve(hostile, "/metrics", body)
+    r = kvctl("status", "--url", url, timeout=60, env={**os.environ, "COLUMNS": "160"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "2 running" in r.stdout, r.stdout

@@ -192,7 +192,11 @@ def render_partial(frame: dict) -> Group:
         f" · {_opt(sched.get('preemptions_total'))} preemptions",
     )
     rate = prefix.get("hit_rate")
-    hits = f" ({prefix['hit_tokens']} / {prefix['query_tokens']})" if "query_tokens" in prefix else ""
+    hits = (
+        f" ({prefix['hit_tokens']} / {prefix['query_tokens']})"
+        if {"hit_tokens", "query_tokens"} <= prefix.keys()
+        else ""
+    )
     t.add_row("prefix", "-" if rate is None else f"{rate * 100:.1f} % of prompt tokens hit{hits}")
     _latency_rows(t, frame.get("latency") or {})
     if thr := frame.get("throughput"):
