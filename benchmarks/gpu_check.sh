@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU check, for a CUDA machine (a fresh one is fine): the Triton kernel tests compiled (no
-# interpreter), the engine end to end against transformers on the GPU (benchmarks/gpu_engine.py:
-# tokens, speed at SmolLM2-135M's shape with random weights, where a decode step's time goes), then
-# the kernel benchmark.
-# Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most ~9 minutes (each step
-# has its own time limit); exits non-zero when a step fails.
+# interpreter: attention, store, and the element-wise kernels), the engine end to end against
+# transformers on the GPU (benchmarks/gpu_engine.py: tokens, speed at SmolLM2-135M's shape with
+# random weights, where a decode step's time goes and how many launches it makes, with the Triton
+# element-wise kernels and with torch's), then the kernel benchmark.
+# Logs and JSON go to $OUT when it is set, else to out/gpu_check/. At most 8 minutes (each step
+# has its own time limit: 200 + 200 + 70 s); exits non-zero when a step fails.
 #
 #     benchmarks/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
 #     MODEL_DIR=DIR benchmarks/gpu_check.sh   # SmolLM2-135M's tokenizer + config.json, when the
@@ -44,20 +45,20 @@ if ! "$py" -c 'import pytest, triton, engine.kernels.triton' 2>>"$out/install.lo
 fi
 
 status=0
-echo "== pytest tests/test_triton_kernels.py (compiled)"
-timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+echo "== pytest tests/test_triton_fused.py tests/test_triton_kernels.py (compiled)"
+timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_fused.py tests/test_triton_kernels.py \
     --junitxml="$out/pytest.xml" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel tests failed (exit $rc)"; status=1; }
 
 echo "== python benchmarks/gpu_engine.py"
-timeout 180 "$py" benchmarks/gpu_engine.py ${MODEL_DIR:+--model-dir "$MODEL_DIR"} --json "$out/engine.json" 2>&1 |
+timeout 200 "$py" benchmarks/gpu_engine.py ${MODEL_DIR:+--model-dir "$MODEL_DIR"} --json "$out/engine.json" 2>&1 |
     grep -v -e "Loading weights" -e "Writing model shards" | tee "$out/engine.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: engine check failed (exit $rc)"; status=1; }
 
 echo "== python benchmarks/triton_kernels.py"
-timeout 170 "$py" benchmarks/triton_kernels.py --time-budget 120 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+timeout 70 "$py" benchmarks/triton_kernels.py --time-budget 40 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "gpu_check: kernel benchmark failed (exit $rc)"; status=1; }
 

@@ -21,7 +21,9 @@ read, never its weights.
 3. Where a decode step's time goes (`--parts profile`): N sequences of SmolLM2-135M's shape in
    steady decode, the wall time of a step against the GPU's busy time in it (torch.profiler), the
    kernels launched per step and the host ops that cost most. A step far longer than the GPU's
-   busy time is bound by the host (launches, Python), not by the kernels.
+   busy time is bound by the host (launches, Python), not by the kernels. The batches of
+   `--profile-torch-batches` are profiled a second time with the reference's torch element-wise
+   ops in place of the Triton ones (KVTOP_TRITON_ELEMENTWISE=0): the launches and time they save.
 
 `--device cpu` runs the same on the CPU (our C++ kernels), as a dry run of the script.
 """
@@ -29,6 +31,7 @@ read, never its weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -37,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -134,6 +138,7 @@ def tokens_check(model_dir: Path, device: str, tmp: Path) -> tuple[list[dict], b
             "passes_equal": sum(a == b for a, b in zip(first, second, strict=True)),
             "prompts": len(prompts),
             "prefix_hit_tokens": hits - hits_before,
+            "kernels": llm.engine.runner.kernels.__name__,  # the backend module that really ran
         }
         if dtype == "float32" and kv == "auto":
             row["must_match"] = True
@@ -199,7 +204,27 @@ def speed_check(model_dir: Path, device: str, tmp: Path, batches: list[int]) -> 
     return rows
 
 
-def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: int = 10) -> dict:
+@contextlib.contextmanager
+def elementwise_ops(torch_ops: bool) -> Iterator[None]:
+    """KVTOP_TRITON_ELEMENTWISE set while an engine is built (its backend is chosen then)."""
+    from engine.kernels import ELEMENTWISE_ENV
+
+    before = os.environ.get(ELEMENTWISE_ENV)
+    os.environ[ELEMENTWISE_ENV] = "0" if torch_ops else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ELEMENTWISE_ENV]
+        else:
+            os.environ[ELEMENTWISE_ENV] = before
+
+
+def profile_decode(
+    model_dir: Path, device: str, tmp: Path, batch: int, torch_ops: bool = False, steps: int = 10
+) -> dict:
+    """`torch_ops`: the engine built with KVTOP_TRITON_ELEMENTWISE=0 (the reference's element-wise
+    ops on the Triton backend; no effect on the CPU's)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
@@ -209,7 +234,8 @@ def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: i
         from transformers import AutoConfig
 
         make_model(AutoConfig.from_pretrained(model_dir), path, model_dir, seed=0, dtype=torch.bfloat16)
-    llm = ours(path, device, "bfloat16", max_num_seqs=batch, enable_prefix_caching=False, kv_cache_memory="4GiB")
+    with elementwise_ops(torch_ops):
+        llm = ours(path, device, "bfloat16", max_num_seqs=batch, enable_prefix_caching=False, kv_cache_memory="4GiB")
     engine = llm.engine
     rng = random.Random(5)
     for _ in range(batch):
@@ -231,9 +257,11 @@ def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: i
             engine.step()
         sync(device)
     row = summarize_profile(prof, batch, steps, wall_ms)
+    row["kernels"] = engine.runner.kernels.__name__  # ...triton+torch-elementwise: KVTOP_TRITON_ELEMENTWISE=0
     print(
-        f"profile batch {batch:>3}: {wall_ms:.2f} ms a decode step (no profiler), "
-        f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms of it, {row['kernels_per_step']:.0f} kernels a step",
+        f"profile batch {batch:>3}, kernels {row['kernels']}: {wall_ms:.2f} ms a decode step "
+        f"(no profiler), GPU busy {row['gpu_busy_ms_per_step']:.2f} ms of it, {row['kernels_per_step']:.0f} kernels "
+        f"a step, {row['launches_per_step']:.0f} launches from the host",
         flush=True,
     )
     for k in row["top_kernels"]:
@@ -246,6 +274,8 @@ def profile_decode(model_dir: Path, device: str, tmp: Path, batch: int, steps: i
 def summarize_profile(prof, batch: int, steps: int, wall_ms: float) -> dict:
     """Per step: the GPU's busy time and kernel count, the costliest kernels and host ops."""
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    # cudaLaunchKernel (torch), cuLaunchKernel / cuLaunchKernelEx (Triton), cudaLaunchKernelExC
+    launches = [e for e in prof.events() if e.device_type.name == "CPU" and "LaunchKernel" in e.name]
     by_kernel: dict[str, list[float]] = {}
     for e in kernels:
         by_kernel.setdefault(e.name, []).append(e.device_time / 1e3)
@@ -257,6 +287,7 @@ def summarize_profile(prof, batch: int, steps: int, wall_ms: float) -> dict:
         "wall_ms_per_step": wall_ms,
         "gpu_busy_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
+        "launches_per_step": len(launches) / steps,
         "top_kernels": [
             {"name": n[:80], "count_per_step": len(t) / steps, "ms_per_step": sum(t) / steps} for n, t in top_kernels
         ],
@@ -275,7 +306,7 @@ def ints(text: str) -> list[int]:
     return [int(b) for b in text.split(",") if b.strip()]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                     help="SmolLM2-135M's directory: its tokenizer and config.json (weights are not read)")  # fmt: skip
@@ -283,8 +314,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes for the speed part")
     ap.add_argument("--parts", default="tokens,speed,profile", help="which parts to run: tokens, speed, profile")
     ap.add_argument("--profile-batches", default="1,64", help="comma-separated batch sizes for the profile part")
+    ap.add_argument("--profile-torch-batches", default="64",
+                    help="batch sizes profiled again with torch's element-wise ops (KVTOP_TRITON_ELEMENTWISE=0)")  # fmt: skip
     ap.add_argument("--json", dest="json_path", help="write every row here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_engine.py: needs a CUDA GPU and torch sees none (--device cpu for a dry run)")
     if not (args.model_dir / "tokenizer.json").exists() or not (args.model_dir / "config.json").exists():
@@ -312,9 +349,13 @@ def main() -> None:
         runs = {
             "tokens": lambda: tokens_check(args.model_dir, args.device, Path(tmp)),
             "speed": lambda: speed_check(args.model_dir, args.device, Path(tmp), ints(args.batches)),
-            "profile": lambda: [
-                profile_decode(args.model_dir, args.device, Path(tmp), b) for b in ints(args.profile_batches)
-            ],
+            "profile": lambda: (
+                [profile_decode(args.model_dir, args.device, Path(tmp), b) for b in ints(args.profile_batches)]
+                + [
+                    profile_decode(args.model_dir, args.device, Path(tmp), b, torch_ops=True)
+                    for b in ints(args.profile_torch_batches)
+                ]
+            ),
         }
         for name in ("tokens", "speed", "profile"):
             if name not in parts:

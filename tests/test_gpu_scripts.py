@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_engine_check_runs_on_the_cpu_and_finds_the_tokens_equal(smollm2_dir, tmp_path):
     out = tmp_path / "engine.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_engine.py"), "--device", "cpu", "--batches", "2",
-           "--profile-batches", "2", "--model-dir", str(smollm2_dir), "--json", str(out)]  # fmt: skip
+           "--profile-batches", "2", "--profile-torch-batches", "1", "--model-dir", str(smollm2_dir),
+           "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -32,9 +33,14 @@ def test_the_gpu_engine_check_runs_on_the_cpu_and_finds_the_tokens_equal(smollm2
     (speed,) = result["speed"]
     assert speed["batch"] == 2 and speed["ours_tok_s"] > 0 and speed["transformers_tok_s"] > 0
     assert "equal to transformers: 16/16 first pass" in proc.stdout
-    (profile,) = result["profile"]  # where a decode step's time goes: the step, and our ops in it
-    assert profile["batch"] == 2 and profile["wall_ms_per_step"] > 0
+    # where a decode step's time goes: the step, and our ops in it; then again with torch's element-wise
+    # ops (on a GPU; the CPU backend keeps its own, and the row names the kernels that ran)
+    profile, torch_ops = result["profile"]
+    assert profile["batch"] == 2 and profile["wall_ms_per_step"] > 0 and torch_ops["batch"] == 1
     assert any(op["name"].startswith("kvtop_cpu::") for op in profile["top_host_ops"])
+    assert profile["kernels"] == torch_ops["kernels"] == exact["kernels"] == "engine.kernels.cpu"
+    assert profile["launches_per_step"] == 0  # no GPU, no launches
+    assert "launches from the host" in proc.stdout
 
 
 def test_the_gpu_engine_check_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):

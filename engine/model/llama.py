@@ -3,8 +3,8 @@
 One forward runs every scheduled sequence of a step as one packed batch of tokens (no padding):
 `input_ids`/`positions` are `[num_tokens]`; attention reads and writes the paged cache through the
 kernels in `engine.kernels` (`attention.paged_attention` picks decode or prefill), and the norms,
-RoPE and SiLU-and-mul are that backend's element-wise ops too (fused C++ on the CPU, the reference's
-torch ops elsewhere). Covers Llama
+RoPE and SiLU-and-mul are that backend's element-wise ops too (fused C++ on the CPU, fused Triton
+kernels with the Triton backend, the reference's torch ops with the reference's). Covers Llama
 (incl. llama3 RoPE scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and SmolLM. Projections are fused at load time (qkv, gate+up) so a
 layer is four matmuls.
 """

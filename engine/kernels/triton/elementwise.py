@@ -6,8 +6,9 @@ is rounded to that dtype at the same point here, so RoPE and the residual add eq
 bit for bit in every dtype; RMSNorm (another order of the fp32 sum of squares) and SiLU (the GPU's
 exp) differ by the last bits.
 
-On the GPU a decode step launched rms_norm as five kernels (pow, mean, add, rsqrt, mul), 61 times;
-RoPE as ten and SiLU-and-mul as two, per layer. Here each is one launch, one pass over memory.
+As torch ops on the GPU, an RMSNorm was six kernels (pow, mean, add, rsqrt, two multiplies; two
+casts more in bf16), 61 times a SmolLM2 step, the residual add one more; RoPE ten and SiLU-and-mul
+two, per layer. Here each is one launch, one pass over memory.
 
 Rounding to bf16 is done by hand (`_round_to`): the interpreter's fp32 -> bf16 cast truncates,
 the GPU's rounds to nearest even, and both must give the reference's bits.
@@ -23,7 +24,8 @@ from engine.kernels import reference
 from engine.kernels.triton.common import _interpreting
 
 # --------------------------------------------------------------------------------------------
-# device helpers
+# device helpers; no kernel specializes on its token count (a batch of 1, or of 16, would each be
+# a compile of its own)
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def _round_to(x, dtype: tl.constexpr):
         return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_xt, stride_xh, stride_rt, stride_rh, num_rows, heads, n, eps,
@@ -104,7 +106,7 @@ def _rotate_rows(
     tl.store(first_half + half, _round_to(out2, dtype).to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _rotary_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, tokens, q_heads, k_heads, half,
@@ -118,7 +120,7 @@ def _rotary_kernel(
                  TOKENS, BLOCK_KR, BLOCK_HALF)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_t, stride_ot, tokens, inter, TOKENS: tl.constexpr, BLOCK: tl.constexpr
 ):
