@@ -170,6 +170,7 @@ def write_snapshot(
     block_refs: list[int] | None = None,
     force: bool = True,
     fresh: bool = False,
+    trace: tuple[dict, list[dict], list[dict]] | None = None,
 ) -> Path:
     """Write a snapshot atomically, mode 0600; returns the final path. The last frame gives the
     sequences and blocks tables (the state at the moment of the snapshot).
@@ -178,7 +179,7 @@ def write_snapshot(
     created if need be and an existing name gets a `-1`, `-2`… suffix, so nothing is replaced.
     Otherwise the target is checked (`check_target`): `force=False` refuses an existing file;
     `force=True` replaces a regular file only (the library default; the server passes the
-    operator's choice)."""
+    operator's choice). `trace`: the engine's `trace_tables()` (header, requests, steps)."""
     if not frames:
         raise SnapshotError("nothing to snapshot: the flight recorder holds no frame yet")
     if fresh:
@@ -193,14 +194,15 @@ def write_snapshot(
     try:
         tmp.unlink(missing_ok=True)  # ours, from a write of this process that failed
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-        _fill(tmp, model=model, config=config, reason=reason, frames=frames, events=events, block_refs=block_refs)
+        _fill(tmp, model=model, config=config, reason=reason, frames=frames, events=events, block_refs=block_refs,
+              trace=trace)  # fmt: skip
         return _install(tmp, path, force=force and not fresh, fresh=fresh)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def _fill(tmp: Path, *, model: str, config: dict, reason: str, frames: list[dict], events: list[dict],
-          block_refs: list[int] | None) -> None:  # fmt: skip
+          block_refs: list[int] | None, trace: tuple[dict, list[dict], list[dict]] | None) -> None:  # fmt: skip
     import sqlite_utils
 
     db = sqlite_utils.Database(tmp)
@@ -211,7 +213,9 @@ def _fill(tmp: Path, *, model: str, config: dict, reason: str, frames: list[dict
             "config": json.dumps(redact(config), default=str),
             "reason": reason,
             "created": time.time(),
-        }
+            "workload": json.dumps(trace[0]) if trace else None,
+        },
+        columns={"workload": str},
     )
     db["frames"].insert_all(
         ({"ts": f["ts"], "step": f["engine"].get("step"), "frame": json.dumps(f)} for f in frames),
@@ -238,8 +242,28 @@ def _fill(tmp: Path, *, model: str, config: dict, reason: str, frames: list[dict
     ):
         if not db[name].exists():
             db[name].create(columns)
+    _fill_trace(db, trace)
     db.conn.commit()
     db.close()
+
+
+_REQUEST_COLUMNS = {"id": str, "arrival_time": float, "prompt_len": int, "block_hashes": str}
+_STEP_COLUMNS = {"step": int, "start": float, "end": float, "admitted": str, "preempted": str}
+
+
+def _fill_trace(db, trace: tuple[dict, list[dict], list[dict]] | None) -> None:
+    """The `requests` and `steps` tables (engine/trace.py's records; lists as JSON), empty without a trace."""
+    _, requests, steps = trace or ({}, [], [])
+    db["requests"].insert_all(({**r, "block_hashes": json.dumps(r["block_hashes"])} for r in requests),
+                              columns=_REQUEST_COLUMNS, batch_size=500)  # fmt: skip
+    db["steps"].insert_all(
+        ({**s, "admitted": json.dumps(s["admitted"]), "preempted": json.dumps(s["preempted"])} for s in steps),
+        columns=_STEP_COLUMNS,
+        batch_size=500,
+    )
+    for name, columns in (("requests", _REQUEST_COLUMNS), ("steps", _STEP_COLUMNS)):
+        if not db[name].exists():
+            db[name].create(columns)
 
 
 def _install(tmp: Path, path: Path, *, force: bool, fresh: bool) -> Path:

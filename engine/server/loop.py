@@ -221,6 +221,7 @@ class EngineLoop:
                 events=list(self.engine.metrics.events),
                 force=force,
                 fresh=fresh,
+                trace=self.engine.trace_tables(),
             )
             self.snapshots.append({"ts": time.time(), "path": str(written), "reason": reason})
             self.snapshot_counts[reason.split(":")[0]] += 1

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtop.ctl import bench
+from kvtop.ctl import bench, bench_trace
 from kvtop.dashboard.widgets.fmt import ms
 from kvtop.entry import CLIError
 from kvtop.urls import checked_url
@@ -71,6 +71,8 @@ def bench_run(
         ),
     ] = bench.SCRAPE_INTERVAL,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Replay a trace (.kvsnap or JSONL) at its arrivals.")] = None,
+    trace_out: Annotated[Path | None, typer.Option(help="Write the run as a trace JSONL (docs/whatif.md).")] = None,
 ) -> None:
     """Send a workload, streaming, and report TTFT, TPOT, ITL, e2e (mean/P50/P95/P99), throughput,
     goodput, and the server's own view when it is kvtop."""
@@ -86,7 +88,7 @@ def bench_run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--slo") from None
     shape = {"groups": groups, "system_len": system_len, "question_len": question_len, "long_share": long_share,
-             "long_factor": long_factor}  # fmt: skip
+             "long_factor": long_factor, "trace": trace}  # fmt: skip
     reqs = _workload(dataset, num_prompts, input_len, output_len, seed, file, shape)
     model = _served_model(base_url, model, api_key)
     results, duration, server = _with_progress(
@@ -99,6 +101,8 @@ def bench_run(
             "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
             "max_concurrency": max_concurrency, "seed": seed, "scrape_interval_s": scrape_interval}  # fmt: skip
     rep = bench.report(results, duration, server, slo_s, meta)
+    if trace_out:
+        bench_trace.write_trace(trace_out, reqs, results, ignore_eos)
     if json_path:
         json_path.write_text(json.dumps(rep, indent=2))
     print_report(rep)
@@ -123,7 +127,9 @@ def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scr
 def _workload(
     dataset: str, n: int, input_len: str, output_len: str, seed: int, file: Path | None, shape: dict
 ) -> list[bench.BenchRequest]:
-    """The requests of `--dataset`, or BadParameter naming the flag that is wrong."""
+    """The requests of `--dataset` (or of `--trace`), or BadParameter naming the flag that is wrong."""
+    if shape.get("trace"):
+        return bench_trace.trace_requests(shape["trace"])
     if dataset not in DATASETS:
         raise typer.BadParameter(f"use one of {', '.join(DATASETS)}", param_hint="--dataset")
     ins, outs = _range(input_len, "--input-len"), _range(output_len, "--output-len")
