@@ -11,8 +11,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.server.app import _Server, _uvicorn_config
+from engine.server.app import _Server
 from engine.server.config import ServerConfig
+from engine.server.connections import uvicorn_config
 from engine.server.detokenize import IncrementalDetokenizer
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
 from engine.server.sockets import bind_tcp
@@ -145,7 +146,7 @@ def test_connections_are_accepted_with_nagle_off():
 
     sock = bind_tcp("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = _Server(_uvicorn_config(app, "warning"))
+    server = _Server(uvicorn_config(app, "warning"))
     thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()
     try:
