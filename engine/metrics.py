@@ -98,10 +98,13 @@ class Metrics:
         self.iteration = Histogram(ITERATION_BUCKETS)  # tokens computed per step (prompt + generated)
         self._step_tokens = 0
 
-    def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> None:
+    def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> dict:
+        """Append an event to the ring; returns it (a snapshot that fails takes its own back)."""
         # every frame and snapshot carries the ring: text that cannot be UTF-8 (a lone surrogate
         # from a client) would make each of them fail to encode until it aged out
-        self.events.append({"ts": time.time(), "kind": kind, "seq_id": _utf8(seq_id), "detail": _utf8(detail)})
+        event = {"ts": time.time(), "kind": kind, "seq_id": _utf8(seq_id), "detail": _utf8(detail)}
+        self.events.append(event)
+        return event
 
     def record_step(self, now: float) -> None:
         c = self.counters

@@ -10,6 +10,7 @@ flight recorder, checks the automatic-snapshot triggers, and enforces the drain 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import traceback
@@ -209,23 +210,31 @@ class EngineLoop:
         if target.is_dir():
             target = target / self.default_snapshot_path(name or reason).name
         with self._snapshot_lock:
-            self.engine.metrics.event("snapshot", None, f"{reason}: {target}")
-            frame = self.frame()
-            frames = [*self.recorder.snapshot_frames(), frame]
-            written = write_snapshot(
-                target,
-                model=self.engine.config.served_model_name or self.engine.config.model,
-                config={"engine": asdict(self.engine.config), "server": asdict(self.config)},
-                reason=reason,
-                frames=frames,
-                events=list(self.engine.metrics.events),
-                force=force,
-                fresh=fresh,
-                trace=self.engine.trace_tables(),
-            )
+            taken = self.engine.metrics.event("snapshot", None, f"{reason}: {target}")
+            try:
+                written = self._write_snapshot(target, reason, force, fresh)
+            except BaseException:
+                with contextlib.suppress(ValueError):  # a snapshot that was not written was not taken
+                    self.engine.metrics.events.remove(taken)
+                raise
             self.snapshots.append({"ts": time.time(), "path": str(written), "reason": reason})
             self.snapshot_counts[reason.split(":")[0]] += 1
         return written
+
+    def _write_snapshot(self, target: Path, reason: str, force: bool, fresh: bool) -> Path:
+        """The snapshot at `target`, its own event already in the ring it copies."""
+        frames = [*self.recorder.snapshot_frames(), self.frame()]
+        return write_snapshot(
+            target,
+            model=self.engine.config.served_model_name or self.engine.config.model,
+            config={"engine": asdict(self.engine.config), "server": asdict(self.config)},
+            reason=reason,
+            frames=frames,
+            events=list(self.engine.metrics.events),
+            force=force,
+            fresh=fresh,
+            trace=self.engine.trace_tables(),
+        )
 
     def _auto_snapshot(self, trigger: str, detail: str) -> None:
         try:
