@@ -78,15 +78,7 @@ def bench_run(
     goodput, and the server's own view when it is kvtop."""
     if ctx.invoked_subcommand is not None:
         return
-    try:
-        base_url = checked_url(base_url, "--base-url")
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    _check_numbers(num_prompts, request_rate, burstiness, scrape_interval)
-    try:
-        slo_s = bench.parse_slo(slo)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--slo") from None
+    base_url, slo_s = _checked_inputs(base_url, num_prompts, request_rate, burstiness, scrape_interval, slo)
     shape = {"groups": groups, "system_len": system_len, "question_len": question_len, "long_share": long_share,
              "long_factor": long_factor, "trace": trace}  # fmt: skip
     reqs = _workload(dataset, num_prompts, input_len, output_len, seed, file, shape)
@@ -101,13 +93,34 @@ def bench_run(
             "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
             "max_concurrency": max_concurrency, "seed": seed, "scrape_interval_s": scrape_interval}  # fmt: skip
     rep = bench.report(results, duration, server, slo_s, meta)
-    if trace_out:
-        bench_trace.write_trace(trace_out, reqs, results, ignore_eos)
-    if json_path:
-        json_path.write_text(json.dumps(rep, indent=2))
+    _write_outputs(rep, trace_out, json_path, lambda path: bench_trace.write_trace(path, reqs, results, ignore_eos))
     print_report(rep)
     if rep["completed"] == 0:
         raise typer.Exit(1)
+
+
+def _write_outputs(rep: dict, trace_out: Path | None, json_path: Path | None, write_trace) -> None:
+    """What --trace-out and --json asked for: the run as a trace, the report as JSON."""
+    if trace_out:
+        write_trace(trace_out)
+    if json_path:
+        json_path.write_text(json.dumps(rep, indent=2))
+
+
+def _checked_inputs(
+    base_url: str, num_prompts: int, request_rate: float, burstiness: float, scrape_interval: float, slo: str | None
+) -> tuple[str, dict]:
+    """The server's URL and the SLO in seconds, once every number is one the run can use; else
+    the one-line error naming the flag."""
+    try:
+        base_url = checked_url(base_url, "--base-url")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    _check_numbers(num_prompts, request_rate, burstiness, scrape_interval)
+    try:
+        return base_url, bench.parse_slo(slo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slo") from None
 
 
 def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scrape_interval: float) -> None:
