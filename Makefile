@@ -10,7 +10,7 @@ MODEL     ?= smollm2-135m
 # `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-busy lint fmt model bench completions clean vllm llamacpp
+.PHONY: demo test test-fast test-busy lint fmt model bench completions clean vllm llamacpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -69,6 +69,10 @@ completions: $(STAMP)
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# unit tests only: no model, server or terminal (tests/conftest.py marks the rest `integration`)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration" $(PYTEST_ARGS)
 
 # the whole suite beside one busy process per core, as on a loaded CI machine: a test that fails
 # only here waits on a clock instead of a condition (scripts/beside_a_cpu_hog.py)
