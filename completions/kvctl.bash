@@ -34,9 +34,11 @@ _kvctl_complete() {
                 --api-key) COMPREPLY=(); return 0 ;;
                 --scrape-interval) COMPREPLY=(); return 0 ;;
                 --json) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --trace) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
+                --trace-out) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--base-url --url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --scrape-interval --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--base-url --url --model --dataset --num-prompts --input-len --output-len --groups --system-len --question-len --long-share --long-factor --file --request-rate --burstiness --max-concurrency --seed --slo --ignore-eos --no-ignore-eos --api-key --scrape-interval --json --trace --trace-out --help" -- "$cur") )
             fi
             ;;
         calibrate)
@@ -190,7 +192,9 @@ _kvctl_complete() {
                 --snapshot-cooldown) COMPREPLY=(); return 0 ;;
                 --max-request-body) COMPREPLY=(); return 0 ;;
                 --read-timeout) COMPREPLY=(); return 0 ;;
+                --request-timeout) COMPREPLY=(); return 0 ;;
                 --max-connections) COMPREPLY=(); return 0 ;;
+                --max-connections-per-ip) COMPREPLY=(); return 0 ;;
                 --model|-m) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
                 --dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return 0 ;;
                 --device) COMPREPLY=(); return 0 ;;
@@ -209,7 +213,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --max-connections --warmup --no-warmup --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --request-timeout --max-connections --max-connections-per-ip --warmup --no-warmup --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         snapshot)
