@@ -310,7 +310,7 @@ def test_serve_warns_and_advertises_the_real_context_limit(tiny_dir):
             card = http.get("/v1/models").json()["data"][0]
             assert card["max_model_len"] == 720  # what a request can really use, as vLLM's field
             long = http.post("/v1/completions", json={"model": server.model, "prompt": [5] * 800, "max_tokens": 1})
-            assert long.status_code == 400 and "at most 719 fit" in long.json()["error"]["message"]
+            assert long.status_code == 400 and "the 719 tokens a prompt may have" in long.json()["error"]["message"]
         warnings = [line for line in server.log.splitlines() if "warning" in line]
         assert len(warnings) == 1, server.log
         assert "max_model_len 8192 but the KV cache holds 720 tokens" in warnings[0]
