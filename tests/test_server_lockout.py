@@ -201,6 +201,15 @@ def test_beyond_max_connections_new_connections_get_json_503_with_retry_after(ca
     raise AssertionError("the server did not take new connections again")
 
 
+def test_malformed_requests_on_many_connections_make_one_log_line(guarded):
+    for _ in range(20):
+        conn = _connect(guarded)
+        conn.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert _read_all(conn).startswith(b"HTTP/1.1 400")
+        conn.close()
+    assert guarded.log.count("Invalid HTTP request received") <= 3, guarded.log[-2000:]  # one per 10 s, not 20
+
+
 # ---- 4. a second SIGTERM ends every stream properly ------------------------------------------------
 def _stream(server, into: dict, started: threading.Event) -> None:
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
