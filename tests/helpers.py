@@ -88,3 +88,12 @@ class PageHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
+    """Wait in a Pilot test until `condition()` holds, polling every 0.1 s; fail naming `what`."""
+    for _ in range(int(timeout * 10)):
+        if condition():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

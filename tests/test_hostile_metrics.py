@@ -54,6 +54,7 @@ from kvtop.sources.fetch import PageTooSlow, client, fetch
 from kvtop.sources.mappings import Mapping, all_mappings, by_kind
 from kvtop.sources.metrics import MetricsSource, build_frame
 from kvtop.sources.prometheus import NotMetrics, parse
+from tests.helpers import until
 from tests.helpers import widget_text as text
 from tests.server_harness import kvctl
 from tests.test_kvtop_terminal import STORM, Terminal, base_env
@@ -206,14 +207,6 @@ def test_a_counter_that_goes_back_was_reset():
 
 
 # ---- the dashboard, the fleet, kvctl status, kvctl record, replay --------------------------------
-
-
-async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout * 10)):
-        if condition():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.mark.anyio

@@ -27,6 +27,7 @@ from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.fleet import Fleet
 from kvtop.sources import ReplaySource
 from kvtop.sources.metrics import MetricsSource
+from tests.helpers import until
 from tests.helpers import widget_text as text
 from tests.server_harness import start_server
 from tests.test_fleet import Server, Targets
@@ -41,14 +42,6 @@ def base():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
-
-
-async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout * 10)):
-        if condition():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def figure(panel_text: str, label: str) -> str:
