@@ -148,7 +148,8 @@ def test_bf16_engine_gives_the_same_greedy_tokens_with_and_without_packing(tiny_
     layer = llm.engine.model.layers[0]
     assert type(layer.down_proj) is BF16_KIND
     assert type(layer.gate_up_proj) is (AMXGateUp if AMX else BF16_KIND)  # SiLU-and-mul in its epilogue
-    assert type(llm.engine.model.logits_head) is BF16_KIND if BF16_PACKS else llm.engine.model.logits_head is None
+    head = llm.engine.model.logits_head
+    assert (type(head) is BF16_KIND) if BF16_PACKS else head is None  # no bf16 GEMM here (AVX2): F.linear
     monkeypatch.setenv(ENV, "0")
     plain, _ = _generate(str(tiny_models["smollm-tied"]), "bfloat16", prompts, params)
     assert packed == plain
@@ -171,14 +172,14 @@ def test_a_layer_the_op_refuses_leaves_plain_nn_linear_and_one_log_line(tiny_mod
     assert err.count("\n") == 1 and "prepacked linear layers off" in err
     last.down_proj = down
     assert all(type(getattr(layer, n)) is nn.Linear for layer in model.layers for n in PROJECTIONS)
-    assert getattr(model, "logits_head", None) is None
+    assert model.logits_head is None
     assert [o.token_ids for o in llm.generate(prompts, params)] == before
 
 
 def test_float16_keeps_nn_linear(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="float16", kv_cache_memory="2MiB", quiet=True)
     assert type(llm.engine.model.layers[0].o_proj) is nn.Linear
-    assert getattr(llm.engine.model, "logits_head", None) is None
+    assert llm.engine.model.logits_head is None
 
 
 def test_float32_gets_panel_layers_and_holds_its_weights_once(tiny_models, monkeypatch):
@@ -259,7 +260,7 @@ def test_fp32_panels_that_fail_leave_plain_nn_linear_and_one_log_line(tiny_model
         torch.equal(getattr(layer, n).weight, w)
         for (layer, n), w in zip([(lay, n) for lay in model.layers for n in PROJECTIONS], weights, strict=True)
     )
-    assert getattr(model, "logits_head", None) is None
+    assert model.logits_head is None
     assert [o.token_ids for o in llm.generate(prompts, params)] == before
 
 

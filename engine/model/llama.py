@@ -92,6 +92,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # a prepacked copy of the head on CPU (engine.model.packed_linear)
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused_kernels, self.fused = None, None  # engine.model.fused_decode, built at the first step
 
@@ -135,9 +136,8 @@ class CausalLM(nn.Module):
         return kernels.fused_add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = getattr(self, "logits_head", None)  # prepacked on CPU by engine.model.packed_linear
-        if head is not None:
-            return head(hidden)
+        if self.logits_head is not None:
+            return self.logits_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
