@@ -7,7 +7,7 @@ BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
 MODEL     ?= smollm2-135m
 # torch first and pinned: on the dev/CI machines 2.13.0 is a CPU wheel on disk; a bare
-# `torch` would pull a multi-GB CUDA build.
+# `torch` would pull a multi-GB CUDA build. The venv holds everything: the engine extra and dev's.
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test test-fast test-busy lint fmt model bench completions clean vllm llamacpp
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[engine,dev]"
 	touch $(STAMP)
 
 model: $(STAMP)
@@ -26,7 +26,7 @@ model: $(STAMP)
 demo: model
 	$(BIN)/python -m kvtop.ctl.demo --model $(MODEL)
 
-# The other engines kvtop is tested against, each in its own venv under kvtop's cache (engine/paths.py), so
+# The other engines kvtop is tested against, each in its own venv under kvtop's cache (kvtop/protocol/paths.py), so
 # that a later run on the same machine reuses it. Each stamp names the pins: changing one reinstalls.
 KVTOP_CACHE ?= $(HOME)/.cache/kvtop
 

@@ -53,7 +53,7 @@ SERVING_LOAD = "--num-prompts 32 --input-len 256 --output-len 128 --max-concurre
 def vllm_python() -> Path | None:
     """The python of the venv `make vllm` installed ($KVTOP_VLLM_VENV, $KVTOP_CACHE/venv-vllm, or an older
     checkout's .venv-vllm), or None."""
-    from engine.paths import cache_dir
+    from kvtop.protocol.paths import cache_dir
 
     for venv in (os.environ.get("KVTOP_VLLM_VENV"), cache_dir() / "venv-vllm", ROOT / ".venv-vllm"):
         if venv and (Path(venv) / ".installed").exists():

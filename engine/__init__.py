@@ -1,8 +1,8 @@
 """kvtop's inference engine: a paged KV cache, continuous batching, and the numbers to watch.
 
-Exports load lazily (PEP 562) so that light users of the package — `kvctl status`, shell
-completion, the dashboard — can import `engine.config` or `engine.snapshot` without paying for
-torch.
+Exports load lazily (PEP 562): `import engine` alone costs nothing, and `engine.LLMEngine` loads
+torch when first asked for. What the tools share with the engine (its config, the stats frame,
+snapshots, metric names, the socket) is `kvtop.protocol`, which needs neither.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "ConfigError": "engine.errors",
-    "EngineConfig": "engine.config",
+    "ConfigError": "kvtop.protocol.errors",
+    "EngineConfig": "kvtop.protocol.config",
     "EngineDrainingError": "engine.errors",
     "EngineError": "engine.errors",
     "InvalidRequestError": "engine.errors",
@@ -39,9 +39,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
     from engine.errors import (
-        ConfigError,
         EngineDrainingError,
         EngineError,
         InvalidRequestError,
@@ -52,6 +50,8 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
     from engine.sampling import SamplingParams
+    from kvtop.protocol.config import EngineConfig
+    from kvtop.protocol.errors import ConfigError
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
+from kvtop.protocol.config import EngineConfig
 
 CPU_DEFAULT_KV_MEMORY = 256 * 1024**2
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,7 +1,12 @@
-"""Errors a user of the engine can hit. Each message says what to do about it."""
+"""Errors a user of the engine can hit. Each message says what to do about it.
+
+All derive from `kvtop.protocol.errors.KvtopError`, which the tools catch; `ConfigError` lives
+there too, since the configs it guards are the protocol's (kvtop/protocol/config.py)."""
+
+from kvtop.protocol.errors import KvtopError
 
 
-class EngineError(Exception):
+class EngineError(KvtopError):
     """Base class of every error the engine raises on purpose."""
 
 
@@ -17,9 +22,9 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The model exists but is not a Llama-family decoder this engine implements."""
 
 
-class ConfigError(EngineError, ValueError):
-    """An engine setting that cannot work (bad size string, budget too small for one block…)."""
-
-
 class EngineDrainingError(EngineError):
     """The engine is draining or drained and admits no new requests until resumed."""
+
+
+class ServeError(EngineError):
+    """The server cannot start as asked (socket taken, port busy, bad setting)."""

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from engine.errors import ConfigError
+from kvtop.protocol.errors import ConfigError
 
 ENV = "KVTOP_FAULT_INJECT"
 

@@ -17,9 +17,8 @@ from collections import deque
 import torch
 
 from engine.calibration import calibrate_fp8
-from engine.config import EngineConfig, format_bytes
-from engine.devices import TORCH_DTYPES, kv_memory_bytes, resolve_device, resolve_dtype
-from engine.errors import ConfigError, EngineDrainingError, InvalidRequestError
+from engine.devices import kv_memory_bytes, resolve_device, resolve_dtype
+from engine.errors import EngineDrainingError, InvalidRequestError
 from engine.faults import FaultInjector
 from engine.host_memory import keep_freed_memory
 from engine.kernels import get_backend, resolve_backend_name
@@ -37,10 +36,11 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
 from engine.stats import build_frame
 from engine.stopping import stop_reason
-from engine.trace import TraceRecorder, rows, step_shape, trace_header
+from engine.trace import TraceRecorder, step_shape, trace_header
 from engine.validation import PromptLimits
-
-__all__ = ["TORCH_DTYPES", "LLMEngine", "resolve_device", "resolve_dtype"]  # the first three moved to devices.py
+from kvtop.protocol.config import EngineConfig, format_bytes
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.trace import rows
 
 
 class LLMEngine:

@@ -12,14 +12,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import format_bytes
-from engine.errors import ConfigError, ModelLoadError
+from engine.errors import ModelLoadError
+from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes
+from kvtop.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from engine.model.spec import ModelSpec
 
-PLAN_KV_DTYPES = ("auto", "fp8_e4m3", "int8")
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the share of device memory the engine may take
+PLAN_KV_DTYPES = KV_CACHE_DTYPES  # the engine's own: `auto` is the model's 16-bit dtype
+GPU_MEMORY_UTILIZATION = (
+    EngineConfig.gpu_memory_utilization
+)  # vLLM's default: the share of device memory the engine may take
 
 # Shapes of well-known models, so `kvctl plan llama3-8b` works without downloading anything
 # (from their published config.json files; weights are never needed to plan).

@@ -1,7 +1,8 @@
-"""The stats frame (DESIGN §6, `"schema": 1`): the one place its shape is decided.
+"""The stats frame (DESIGN §6) built from the engine's public parts. Its shape is decided by its
+types in kvtop/protocol/frame.py (which the tools read by, and whose JSON Schema the tests
+validate these frames against); this fills them in.
 
 `build_frame(engine)` is called under the engine lock; everything it returns is plain JSON.
-The JSON Schema the tests validate frames against is `engine/stats_schema.json`.
 """
 
 from __future__ import annotations
@@ -10,15 +11,24 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from kvtop.protocol.frame import (
+    FRAME_EVENTS,
+    SCHEMA_VERSION,
+    CpuTier,
+    KVCache,
+    Memory,
+    NvmlReading,
+    PrefixCache,
+    SequenceInfo,
+    StatsFrame,
+    block_counts,
+)
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-SCHEMA_VERSION = 1
-FRAME_EVENTS = 50  # latest events carried in each frame
-DEVICE_STATES = {".": "free", "c": "cached", "u": "used", "s": "shared"}  # `o` lives in the CPU tier
 
-
-def build_frame(engine: LLMEngine) -> dict:
+def build_frame(engine: LLMEngine) -> StatsFrame:
     now = time.time()
     kv = engine.kv
     sched = engine.scheduler
@@ -71,7 +81,7 @@ def build_frame(engine: LLMEngine) -> dict:
     }
 
 
-def _prefix(engine: LLMEngine, cached_blocks: int) -> dict:
+def _prefix(engine: LLMEngine, cached_blocks: int) -> PrefixCache:
     """The frame's `prefix`: what the prefix cache served, and the prefill time that saved."""
     bm, p = engine.block_manager, engine.block_manager.prefix
     spt = engine.metrics.prefill_seconds_per_token()
@@ -90,7 +100,7 @@ def _prefix(engine: LLMEngine, cached_blocks: int) -> dict:
     }
 
 
-def _kv(engine: LLMEngine) -> dict:
+def _kv(engine: LLMEngine) -> KVCache:
     """The frame's `kv`: block counts by map character, usage and its peak, sizes, the map."""
     kv, bm, m = engine.kv, engine.block_manager, engine.metrics
     blocks = bm.block_states()
@@ -115,41 +125,13 @@ def _kv(engine: LLMEngine) -> dict:
     }
 
 
-def block_counts(device_blocks: str) -> dict[str, int]:
-    """Device blocks by map character (DESIGN §6): each block counts in exactly one state, so
-    free + cached + used + shared == num_blocks. `free` never includes `cached`, `used` never
-    includes `shared`."""
-    return {state: device_blocks.count(ch) for ch, state in DEVICE_STATES.items()}
-
-
 def active_tokens(running, block_size: int) -> int:
     """Tokens the running sequences hold KV slots for. A prompt in prefill counts from the step
     that schedules it (its blocks are taken then), not only once its KV is written."""
     return sum(max(s.num_computed_tokens, min(s.num_tokens, len(s.block_table) * block_size)) for s in running)
 
 
-def normalize_kv(kv: dict) -> dict:
-    """A frame's `kv` in today's meaning. Frames written before `allocatable` existed (old
-    snapshot files) counted cached blocks inside `free` and shared ones inside `used`; this
-    takes them out and adds `allocatable`. Frames already in today's meaning, and partial ones
-    (no `cached`/`shared` to take out), are returned as they are."""
-    if "allocatable" in kv or kv.get("free") is None:
-        return kv
-    cached, shared = kv.get("cached") or 0, kv.get("shared") or 0
-    out = {**kv, "allocatable": kv["free"], "free": kv["free"] - cached}
-    if kv.get("used") is not None:
-        out["used"] = kv["used"] - shared
-    return out
-
-
-def normalize_frame(frame: dict) -> dict:
-    """`frame` with its `kv` in today's meaning (see normalize_kv); other keys untouched."""
-    if isinstance(frame, dict) and isinstance(frame.get("kv"), dict):
-        return {**frame, "kv": normalize_kv(frame["kv"])}
-    return frame
-
-
-def _cpu_tier(cpu, swapped_seqs: int) -> dict:
+def _cpu_tier(cpu, swapped_seqs: int) -> CpuTier:
     """The CPU tier's occupancy and what its transfers cost (zeros when there is none)."""
     if cpu is None:
         return {"num_blocks": 0, "used": 0, "enabled": False}
@@ -173,7 +155,7 @@ def _cpu_tier(cpu, swapped_seqs: int) -> dict:
     }
 
 
-def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> dict:
+def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> SequenceInfo:
     met = seq.metrics
     itl = sum(met.itls) / len(met.itls) if met.itls else None
     return {
@@ -194,7 +176,7 @@ def _sequence(seq, bytes_per_token: int, block_size: int, now: float) -> dict:
     }
 
 
-def _memory(engine: LLMEngine) -> dict:
+def _memory(engine: LLMEngine) -> Memory:
     import torch
 
     if engine.device.startswith("cuda"):
@@ -221,7 +203,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _nvml(engine: LLMEngine) -> dict | None:
+def _nvml(engine: LLMEngine) -> NvmlReading | None:
     """GPU utilisation through NVML when there is an NVIDIA GPU; None otherwise, never an error."""
     if not engine.device.startswith("cuda"):
         return None

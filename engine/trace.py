@@ -7,72 +7,25 @@ prefixes survive) but nobody can confirm a guessed prompt by hashing it. `StepRe
 shape (prefill tokens, decode sequences, context tokens attended), its wall times, and what the
 scheduler decided (admissions with their prefix hits, preemptions, the peak blocks held).
 
-`TraceRecorder` keeps both in bounded rings, like the flight recorder's frames; the engine feeds
-it, snapshots store it (`requests`, `steps` tables), `engine.trace_file` writes it as JSONL, and
-`engine.whatif` replays it through the real scheduler.
+The records, their hashes and their snapshot rows are the protocol's (kvtop/protocol/trace.py:
+`kvctl bench` reads and writes traces without the engine). `TraceRecorder` keeps both in bounded
+rings, like the flight recorder's frames; the engine feeds it, snapshots store it (`requests`,
+`steps` tables), `kvtop.protocol.trace_file` writes it as JSONL, and `engine.whatif` replays it
+through the real scheduler.
 """
 
 from __future__ import annotations
 
 import random
-from array import array
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
-from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence
+from kvtop.protocol.trace import RequestRecord, StepRecord, packed_hash_chain
 
 MAX_REQUESTS = 20_000  # finished requests kept (minutes of a busy server; ~0.3 KB + 8 B a block each)
 MAX_STEPS = 20_000  # steps kept (10 minutes of 30 ms steps, the flight recorder's default history)
-_MASK = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    id: str
-    arrival_time: float  # seconds (wall clock); only differences between records matter
-    prompt_len: int
-    block_hashes: list[str]  # hex, one per full block of prompt + output, in order (packed in the ring)
-    max_tokens: int
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    has_stop: bool = False  # stop strings or stop token ids were given (their values never are)
-    output_len: int = 0
-    finish_reason: str | None = None  # stop | length | abort | error; None: still in flight
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    preemptions: int = 0
-    cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RequestRecord:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass(slots=True)
-class StepRecord:
-    step: int
-    start: float  # wall clock when the step took its inbox
-    end: float  # when its tokens were out
-    num_seqs: int
-    prefill_tokens: int  # tokens of prompt chunks (every row that is not a one-token decode)
-    decode_seqs: int
-    context_tokens: int  # keys attended: each sequence's computed tokens after the step, summed
-    held_blocks: int  # the most device blocks held while scheduling
-    admitted: list[list] = field(default_factory=list)  # [request id, prefix-hit tokens]
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @classmethod
-    def from_dict(cls, d: dict) -> StepRecord:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
@@ -95,19 +48,6 @@ def step_shape(seqs: list[Sequence], num_new_tokens: list[int]) -> StepShape:
     return StepShape(prefill, decodes, context)
 
 
-def block_hash_chain(token_ids: list[int], block_size: int, salt: int = 0) -> list[str]:
-    """The prefix cache's chained hash of every full block (`BlockManager.chain_hash`), salted, in hex."""
-    return [f"{h:016x}" for h in _chain(token_ids, block_size, salt)]
-
-
-def _chain(token_ids: list[int], block_size: int, salt: int) -> array:
-    out, parent = array("Q"), None
-    for i in range(len(token_ids) // block_size):
-        parent = BlockManager.chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
-        out.append(hash((salt, parent)) & _MASK)
-    return out
-
-
 class TraceRecorder:
     """The engine's request and step rings."""
 
@@ -125,7 +65,7 @@ class TraceRecorder:
             id=seq.seq_id,
             arrival_time=seq.arrival_time,
             prompt_len=seq.num_prompt_tokens,
-            block_hashes=_chain(seq.token_ids, self.block_size, self.salt),
+            block_hashes=packed_hash_chain(seq.token_ids, self.block_size, self.salt),
             max_tokens=p.max_tokens,
             ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens,
@@ -164,16 +104,6 @@ class TraceRecorder:
         engine's lock; `rows` turns them into table rows after it."""
         live = sorted((self.record(s) for s in in_flight), key=lambda r: r.arrival_time)
         return [*self.requests, *live], list(self.steps)
-
-
-def rows(requests: list[RequestRecord], steps: list[StepRecord]) -> tuple[list[dict], list[dict]]:
-    """Snapshot rows of captured records, the hashes in hex."""
-    out = []
-    for r in requests:
-        row = asdict(r)
-        row["block_hashes"] = [f"{h:016x}" for h in r.block_hashes]
-        out.append(row)
-    return out, [asdict(s) for s in steps]
 
 
 def trace_header(engine) -> dict:

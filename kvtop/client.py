@@ -22,7 +22,8 @@ from pathlib import Path
 import httpcore
 import httpx
 
-from engine.server.sockets import default_socket_path, describe_uid, peer_uid, resolve_socket
+from kvtop.protocol.frame import StatsFrame
+from kvtop.protocol.sockets import default_socket_path, describe_uid, peer_uid, resolve_socket
 
 __all__ = [
     "EngineClient",
@@ -181,8 +182,8 @@ class EngineClient:
     def healthz(self) -> dict:
         return self._request("GET", "/v1/healthz")
 
-    def stats(self) -> dict:
-        return self._request("GET", "/v1/stats")
+    def stats(self) -> StatsFrame:
+        return self._request("GET", "/v1/stats")  # type: ignore[return-value]  # the engine built it from the types
 
     def history(self, since: float | None = None) -> dict:
         """The flight recorder's frames (only those after `since`, a frame ts, when given)."""

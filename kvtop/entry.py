@@ -19,8 +19,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from engine.errors import EngineError
 from kvtop.client import EngineRequestError, EngineUnavailable
+from kvtop.protocol.errors import KvtopError
 
 
 class CLIError(Exception):
@@ -42,7 +42,7 @@ def _fail(prog: str, message: str, code: int) -> None:
 def crash_report(prog: str, exc: BaseException) -> str:
     """One line naming `exc`, and where its traceback was written (KVTOP_CACHE or ~/.cache/kvtop,
     `crashes/PROG-TIME-PID.txt`): a bug report needs the traceback, a terminal needs one line."""
-    from engine.paths import cache_dir
+    from kvtop.protocol.paths import cache_dir
 
     said = re.sub(r"\s+", " ", f"{type(exc).__name__}: {exc}").strip().rstrip(":")
     said = said if len(said) <= 200 else said[:199] + "…"
@@ -75,7 +75,7 @@ def run_cli(app: typer.Typer, prog: str, argv: list[str] | None = None) -> None:
         _fail(prog, str(exc), 2)
     except EngineRequestError as exc:
         _fail(prog, f"the engine refused: {exc}", 1)
-    except EngineError as exc:  # a bad file, a model that will not load, a budget that does not fit
+    except KvtopError as exc:  # a bad file, a model that will not load, a budget that does not fit
         _fail(prog, str(exc), 1)
     except OSError as exc:  # the terminal went away mid-write, a file that cannot be written
         _fail(prog, str(exc), 1)

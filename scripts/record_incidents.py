@@ -2,7 +2,7 @@
 
 Each scenario drives an in-process LLMEngine step by step, records a stats frame into a
 FlightRecorder every ~0.1 s (and after the last step), thins the frames so the file stays small,
-and writes a `.kvsnap` with `engine.snapshot.write_snapshot`. Rerunnable:
+and writes a `.kvsnap` with `kvtop.protocol.snapshot.write_snapshot`. Rerunnable:
 
     .venv/bin/python scripts/record_incidents.py                 # both, on SmolLM2-135M
     .venv/bin/python scripts/record_incidents.py --only thrash   # one of them
@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.snapshot import FlightRecorder, write_snapshot  # noqa: E402
+from engine.flight_recorder import FlightRecorder  # noqa: E402
+from kvtop.protocol.config import EngineConfig  # noqa: E402
+from kvtop.protocol.snapshot import write_snapshot  # noqa: E402
 
 RECORD_EVERY_S = 0.1
 MAX_FRAMES = 150  # ~10 KiB a frame: keeps each file well under 2 MB

@@ -1,6 +1,8 @@
 """The shape docs/architecture.md promises, read from the source with `ast`: no import loop among
-the engine's and kvtop's modules, arrows that point one way (the engine never imports kvtop), no
-source file over 400 lines and no function over 60 lines outside the kernels.
+the engine's and kvtop's modules, arrows that point one way (the engine imports nothing of kvtop but
+`kvtop.protocol`, the tools never import the engine, the protocol imports neither; under
+`if TYPE_CHECKING:` too, so no loop hides there between them), no source file over 400 lines and
+no function over 60 lines outside the kernels.
 
 Each test lists every offender, so a failure says what to fix."""
 
@@ -30,23 +32,24 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-def run_time_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def run_time_imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement that can run: module level, in functions and classes; not those under
-    `if TYPE_CHECKING:` (they only name a type for the checker and never execute)."""
+    `if TYPE_CHECKING:` (they only name a type for the checker and never execute) unless
+    `type_checking`."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             yield from (n for child in node.orelse for n in run_time_imports(ast.Module([child], [])))
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        yield from run_time_imports(node)
+        yield from run_time_imports(node, type_checking)
 
 
-def imported(path: Path, name: str, known: dict[str, Path]) -> Iterator[str]:
+def imported(path: Path, name: str, known: dict[str, Path], type_checking: bool = False) -> Iterator[str]:
     """Our modules that `path` (module `name`) imports. `from a import b` counts as importing `a.b`
     when that is a module; importing `a.b` does not count as importing the package `a`."""
     is_package = path.name == "__init__.py"
-    for node in run_time_imports(ast.parse(path.read_text(), str(path))):
+    for node in run_time_imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -64,9 +67,22 @@ def imported(path: Path, name: str, known: dict[str, Path]) -> Iterator[str]:
                 yield target
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     known = modules()
-    return {name: set(imported(path, name, known)) for name, path in known.items()}
+    return {name: set(imported(path, name, known, type_checking)) for name, path in known.items()}
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every package `path` imports, under `if TYPE_CHECKING:` too."""
+    found = set()
+    for node in run_time_imports(ast.parse(path.read_text(), str(path)), type_checking=True):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.add("kvtop")  # relative: within the package
+        elif isinstance(node, ast.ImportFrom):
+            found.add((node.module or "").split(".")[0])
+        else:
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -148,11 +164,47 @@ def test_no_import_loop(tree):
     )
 
 
-def test_the_engine_never_imports_kvtop():
-    graph = import_graph()
-    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith("engine") for t in targets
-                   if t.startswith("kvtop"))  # fmt: skip
-    assert not wrong, "the engine must not import the operator tools:\n" + "\n".join(wrong)
+PROTOCOL = "kvtop.protocol"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_engine_imports_only_the_protocol_of_kvtop():
+    graph = import_graph(type_checking=True)
+    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items() if _in(m, "engine") for t in targets
+                   if _in(t, "kvtop") and not _in(t, PROTOCOL))  # fmt: skip
+    assert not wrong, "the engine must not import the operator tools (only kvtop.protocol):\n" + "\n".join(wrong)
+
+
+def test_the_tools_never_import_the_engine():
+    """The light install (`pip install kvtop`, no torch) runs every kvtop module: what the tools need
+    of the engine is in kvtop.protocol; commands that run the engine load it by name, through
+    kvtop/ctl/engine_gate.py, which says what to install when it is not there."""
+    graph = import_graph(type_checking=True)
+    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items() if _in(m, "kvtop") for t in targets
+                   if _in(t, "engine"))  # fmt: skip
+    assert graph["kvtop.ctl.cli"], "the graph sees kvtop's imports"
+    assert not wrong, "kvtop must not import the engine:\n" + "\n".join(wrong)
+
+
+def test_the_protocol_imports_only_itself_and_the_standard_library():
+    """Both sides import the protocol; it imports neither (so no loop can pass through it, under
+    TYPE_CHECKING either), nor any third-party package but sqlite-utils (writing a snapshot)."""
+    import sys
+
+    known = modules()
+    allowed = set(sys.stdlib_module_names) | {"sqlite_utils", "kvtop"}
+    wrong = []
+    for name, path in known.items():
+        if not _in(name, PROTOCOL):
+            continue
+        wrong += [f"{name} imports {t}" for t in sorted(top_level_imports(path) - allowed)]
+        wrong += [f"{name} imports {t}" for t in sorted(imported(path, name, known, type_checking=True))
+                  if not _in(t, PROTOCOL)]  # fmt: skip
+    assert len([n for n in known if _in(n, PROTOCOL)]) >= 8, "the check sees the protocol's modules"
+    assert not wrong, "the protocol must stand alone:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("tree", TREES)

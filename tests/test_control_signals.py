@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from engine.snapshot import read_snapshot
+from kvtop.protocol.snapshot import read_snapshot
 from tests.server_harness import start_server
 
 

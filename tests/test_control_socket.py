@@ -16,12 +16,12 @@ import openai
 import pytest
 from jsonschema import Draft202012Validator
 
-from engine.snapshot import read_snapshot
 from kvtop.client import EngineClient, EngineRequestError
+from kvtop.protocol.frame_schema import frame_schema
+from kvtop.protocol.snapshot import read_snapshot
 from tests.server_harness import KVCTL, kvctl, short_tmpdir, stale_socket, start_server
 
-SCHEMA = json.loads((Path(__file__).parents[1] / "engine" / "stats_schema.json").read_text())
-VALIDATOR = Draft202012Validator(SCHEMA)
+VALIDATOR = Draft202012Validator(frame_schema())
 LONG = 1900  # tokens: long enough to still be running while a test acts on it
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.errors import ConfigError
+from kvtop.protocol.errors import ConfigError
 from tests.helpers import random_prompts
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

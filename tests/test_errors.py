@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams, UnsupportedArchitectureError
-from engine.config import EngineConfig, parse_size
-from engine.errors import ConfigError
+from kvtop.protocol.config import EngineConfig, parse_size
+from kvtop.protocol.errors import ConfigError
 
 
 def test_empty_prompt(tiny_llm):

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.metrics import Metrics
-from engine.snapshot import REDACTED, SnapshotExists, write_snapshot
-from engine.snapshot_reader import load_snapshot
+from kvtop.protocol.snapshot import REDACTED, SnapshotExists, write_snapshot
+from kvtop.protocol.snapshot_reader import load_snapshot
 from tests.server_harness import API_KEY, KVCTL, kvctl, short_tmpdir, start_server
 
 

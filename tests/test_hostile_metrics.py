@@ -33,8 +33,6 @@ import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.frame_check import check_frame
-from engine.snapshot import read_snapshot, write_snapshot
 from kvtop.dashboard import absent
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.fleet_screen import FleetScreen, cells_of
@@ -49,6 +47,8 @@ from kvtop.diagnosis import diagnose
 from kvtop.entry import run_cli
 from kvtop.fleet import Fleet
 from kvtop.fleet.poller import row_of
+from kvtop.protocol.frame_schema import check_frame
+from kvtop.protocol.snapshot import read_snapshot, write_snapshot
 from kvtop.sources import ReplaySource, SourceUnavailable
 from kvtop.sources.fetch import PageTooSlow, client, fetch
 from kvtop.sources.mappings import Mapping, all_mappings, by_kind

@@ -21,10 +21,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from engine.snapshot import write_snapshot
 from kvtop.ctl import cli, summary
 from kvtop.ctl.completion import generate
 from kvtop.dashboard.widgets.block_map import render_cells
+from kvtop.protocol.snapshot import write_snapshot
 from tests.server_harness import kvctl, start_server
 
 ROOT = Path(__file__).parents[1]

@@ -264,7 +264,7 @@ def test_a_big_recording_opens_at_once_answers_q_and_stays_small(big_snapshot: P
 
 
 def test_lazy_frames_keep_a_bounded_cache(big_snapshot: Path):
-    from engine.snapshot_reader import CACHE_BYTES, CACHE_FRAMES
+    from kvtop.protocol.snapshot_reader import CACHE_BYTES, CACHE_FRAMES
     from kvtop.sources import ReplaySource
 
     source = ReplaySource.open(big_snapshot)
@@ -308,7 +308,7 @@ async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
 def test_recorded_incidents_pass_the_frame_check(path: Path):
     """If the schema gains a required key, old files must still replay (engine.stats.normalize_frame)."""
-    from engine.snapshot_reader import SnapshotReader
+    from kvtop.protocol.snapshot_reader import SnapshotReader
 
     with SnapshotReader(path) as reader:
         for i in range(len(reader)):
@@ -318,10 +318,10 @@ def test_recorded_incidents_pass_the_frame_check(path: Path):
 def test_the_frame_check_refuses_what_the_json_schema_refuses():
     from jsonschema import Draft202012Validator
 
-    from engine.frame_check import check_frame, stats_schema
-    from engine.stats import normalize_frame
+    from kvtop.protocol.frame import normalize_frame
+    from kvtop.protocol.frame_schema import check_frame, frame_schema
 
-    validator = Draft202012Validator(stats_schema())
+    validator = Draft202012Validator(frame_schema())
     good = normalize_frame(_first_frame())
     assert check_frame(good) is None
     mutations = {

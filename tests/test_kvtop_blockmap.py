@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.widgets.block_map import BlockMap, render_cells, summarise
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import LiveSource
 from tests.test_kvtop_live import until
 

@@ -17,7 +17,6 @@ import pytest
 from textual import events
 from textual.widgets import Button, Checkbox, Input
 
-from engine.snapshot import read_snapshot, write_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.confirm import ConfirmScreen
@@ -27,6 +26,7 @@ from kvtop.dashboard.widgets.jump_dialog import JumpScreen
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen, block_ranges
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.sort_picker import SortScreen
+from kvtop.protocol.snapshot import read_snapshot, write_snapshot
 from kvtop.sources import ReplaySource
 from tests.helpers import widget_text as text
 from tests.test_kvtop_live import SIZE, Engine, Load, busy, live_app, until

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.client import EngineClient
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.messages import FrameArrived, SourceLost
@@ -30,6 +29,7 @@ from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.dashboard.widgets.throughput import ThroughputPanel
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import LiveSource
 from tests.helpers import widget_text as text
 from tests.server_harness import start_server

@@ -6,13 +6,13 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.widgets import series
 from kvtop.dashboard.widgets.header import drain_detail
 from kvtop.dashboard.widgets.latency import LatencyPanel, window_counts
 from kvtop.dashboard.widgets.memory import MemoryPanel
 from kvtop.dashboard.widgets.sequences import visible
 from kvtop.dashboard.widgets.view import View, ViewState
+from kvtop.protocol.snapshot import read_snapshot
 
 STORM = Path(__file__).resolve().parent.parent / "snapshots" / "preemption-storm.kvsnap"
 FRAMES = read_snapshot(STORM).frames

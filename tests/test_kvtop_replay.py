@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.events import EventsPanel
@@ -15,6 +14,7 @@ from kvtop.dashboard.widgets.header import EngineHeader
 from kvtop.dashboard.widgets.kv_panel import KVPanel
 from kvtop.dashboard.widgets.sequences import SequencesPanel
 from kvtop.dashboard.widgets.timeline import Timeline
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import ReplaySource, parse_offset
 from tests.helpers import widget_text as text
 

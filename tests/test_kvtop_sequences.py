@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from textual import events
 
-from engine.snapshot import Snapshot, read_snapshot, write_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.messages import SortChosen
 from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
+from kvtop.protocol.snapshot import Snapshot, read_snapshot, write_snapshot
 from kvtop.sources import ReplaySource
 from tests.helpers import widget_text as text
 

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import LiveSource, ReplaySource
 
 ROOT = Path(__file__).resolve().parent.parent

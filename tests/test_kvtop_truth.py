@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.events import EventsPanel
@@ -24,6 +23,7 @@ from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
 from kvtop.dashboard.widgets.throughput import ThroughputPanel
 from kvtop.dashboard.widgets.view import View, ViewState
 from kvtop.diagnosis import diagnose
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import LiveSource
 from tests.helpers import widget_text as text
 from tests.server_harness import Server, start_server

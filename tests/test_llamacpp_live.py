@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 from kvtop.sources.metrics import MetricsSource
 from tests.server_harness import short_tmpdir
 from tests.vllm_server import free_port

@@ -163,8 +163,8 @@ def test_old_snapshot_frames_are_read_in_todays_meaning(name):
     their shared ones inside `used`. Read back, every frame counts as the block map draws."""
     from pathlib import Path
 
-    from engine.snapshot import read_snapshot
-    from engine.stats import normalize_kv
+    from kvtop.protocol.frame import normalize_kv
+    from kvtop.protocol.snapshot import read_snapshot
 
     snap = read_snapshot(Path(__file__).parents[1] / "snapshots" / f"{name}.kvsnap")
     converted = 0

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.snapshot import SnapshotError, read_snapshot
+from kvtop.protocol.snapshot import SnapshotError, read_snapshot
 from kvtop.sources import ReplaySource
 from kvtop.sources.metrics import MetricsSource
 from kvtop.sources.recorder import record_frames, source_meta

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.snapshot import SnapshotError, read_snapshot
 from kvtop.client import EngineRequestError
+from kvtop.protocol.snapshot import SnapshotError, read_snapshot
 from tests.server_harness import kvctl, short_tmpdir, start_server
 
 
@@ -194,7 +194,7 @@ def test_control_socket_refuses_another_uid(server):
 def test_sigkill_during_snapshot_write_leaves_no_partial_file(tmp_path):
     writer = textwrap.dedent(f"""
         import sys, time
-        from engine.snapshot import write_snapshot
+        from kvtop.protocol.snapshot import write_snapshot
         frame = {{"ts": 0.0, "engine": {{"step": 0}}, "kv": {{"blocks": "u" * 4096}}, "sequences": [],
                  "pad": "x" * 200_000}}
         i = 0
@@ -216,7 +216,7 @@ def test_sigkill_during_snapshot_write_leaves_no_partial_file(tmp_path):
     for snap in snaps:  # every .kvsnap is whole; half-written data only ever lived in a temp file
         assert len(read_snapshot(snap).frames) == 200
     # the next write (the next engine's) sweeps the dead writers' temp files and journals
-    from engine.snapshot import write_snapshot
+    from kvtop.protocol.snapshot import write_snapshot
 
     frame = {"ts": 0.0, "engine": {"step": 0}, "kv": {"blocks": "."}, "sequences": []}
     write_snapshot(tmp_path / "next.kvsnap", model="m", config={}, reason="after", frames=[frame], events=[])

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
-from engine.snapshot import read_snapshot
+from kvtop.protocol.snapshot import read_snapshot
 from tests.server_harness import API_KEY, start_server
 
 # 512 KiB of KV at 512 B/token holds 1024 tokens, below the tiny model's 2048 positions: both

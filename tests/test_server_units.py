@@ -12,12 +12,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.server.app import _Server
-from engine.server.config import ServerConfig
 from engine.server.connections import uvicorn_config
 from engine.server.detokenize import IncrementalDetokenizer
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validate
 from engine.server.sockets import bind_tcp
 from engine.server.triggers import SnapshotTriggers
+from kvtop.protocol.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_validation_names_the_parameter():
 
 
 def test_server_config_refuses_unknown_triggers():
-    from engine.errors import ConfigError
+    from kvtop.protocol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown snapshot trigger"):
         ServerConfig(snapshot_on=("sometimes",))

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.snapshot import read_snapshot, write_snapshot
-from engine.snapshot_reader import SnapshotReader
-from engine.trace_file import Trace, TraceError, load_trace, write_jsonl
+from kvtop.protocol.config import EngineConfig
+from kvtop.protocol.snapshot import read_snapshot, write_snapshot
+from kvtop.protocol.snapshot_reader import SnapshotReader
+from kvtop.protocol.trace_file import Trace, TraceError, load_trace, write_jsonl
 
 SNAPSHOTS = Path(__file__).parent.parent / "snapshots"
 BLOCK_BYTES = 16 * 512  # the tiny model, float32: 2 layers × K,V × 2 heads × 16 dims × 4 B a token
@@ -133,6 +133,6 @@ def test_a_truncated_jsonl_trace_is_one_clear_error(recorded, tmp_path):
 
 
 def load_trace_record(d: dict):
-    from engine.trace import RequestRecord
+    from kvtop.protocol.trace import RequestRecord
 
     return RequestRecord.from_dict(d)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.trace_file import load_trace, write_jsonl
 from engine.whatif.synthetic import synthetic_trace
 from engine.whatif.timing import StepTimeModel
 from kvtop.ctl.bench_trace import trace_requests
+from kvtop.protocol.trace_file import load_trace, write_jsonl
 from tests.server_harness import kvctl, start_server
 from tests.test_whatif_cli import HEADER
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.snapshot import write_snapshot
-from engine.trace_file import load_trace
 from engine.whatif.config import recorded_config, whatif_config
 from engine.whatif.figures import recorded_figures, simulated_figures
 from engine.whatif.sim import simulate
 from engine.whatif.timing import RecordedTiming, TimingError, fit
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.snapshot import write_snapshot
+from kvtop.protocol.trace_file import load_trace
 from tests.test_trace import record
 
 SCHEDULE = (

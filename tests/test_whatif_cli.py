@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.snapshot import write_snapshot
-from engine.trace_file import write_jsonl
 from engine.whatif.synthetic import synthetic_trace
 from engine.whatif.timing import StepTimeModel
 from kvtop.ctl import cli
+from kvtop.protocol.snapshot import write_snapshot
+from kvtop.protocol.trace_file import write_jsonl
 from tests.test_trace import record
 
 SNAPSHOTS = Path(__file__).parent.parent / "snapshots"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600  # about a minute alone on 2 cores; much more beside other work

@@ -17,7 +17,7 @@ import importlib
 import os
 from types import ModuleType
 
-from engine.errors import ConfigError
+from kvtop.protocol.errors import ConfigError
 
 ELEMENTWISE_ENV = "KVTOP_TRITON_ELEMENTWISE"
 ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")

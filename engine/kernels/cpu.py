@@ -27,7 +27,7 @@ import torch
 from engine.kernels import reference
 from engine.kernels.cpu_prefill import bf16_pairs_pay, sdpa_pays, sdpa_prefill_attention
 from engine.log import log
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"
 CSRC = Path(__file__).parent / "csrc"

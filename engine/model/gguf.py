@@ -19,7 +19,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.log import log
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 
 FORMAT = 2  # 2: tied embeddings under transformers' name, model.embed_tokens.weight
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -18,7 +18,7 @@ from engine.model.gguf import convert_gguf
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec, read_spec, spec_from_config
-from engine.paths import cache_dir
+from kvtop.protocol.paths import cache_dir
 
 # re-exported: callers outside engine/model/ imported these from here before they moved
 __all__ = [

@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import format_bytes
 from engine.kernels import cpu
 from engine.log import log
 from engine.model.panel_linear import PanelEmbedding, PanelLinear, fits, kernel_available, to_panels, unpanelled
+from kvtop.protocol.config import format_bytes
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ENV = "KVTOP_PACKED_LINEAR"

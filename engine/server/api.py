@@ -20,7 +20,7 @@ from engine.server.routes_chat import chat_router
 from engine.server.routes_completions import completions_router
 from engine.server.routes_models import health_router, models_router
 from engine.server.serving import Serving
-from engine.version import __version__
+from kvtop.protocol.version import __version__
 
 # no API key on these, as vLLM: probes, scrapers and schema readers do not carry one
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.config import EngineConfig, context_limit_warning, format_bytes
 from engine.log import log
 from engine.model.packed_linear import prefill_copy_note
 from engine.openmp import release_thread_pool
-from engine.server.config import ServerConfig
 from engine.server.connections import QuietRepeats, raise_open_files_limit, uvicorn_config
-from engine.server.sockets import bind_tcp, bind_unix, check_socket, resolve_socket
+from engine.server.sockets import bind_tcp, bind_unix, check_socket
 from engine.warmup import warm_up
+from kvtop.protocol.config import EngineConfig, ServerConfig, format_bytes
+from kvtop.protocol.sockets import resolve_socket
 
 
 class _Server(uvicorn.Server):
@@ -37,6 +37,17 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+def context_limit_warning(max_model_len: int, kv_tokens: int) -> str | None:
+    """One line for an operator when the KV cache cannot hold a single sequence of `max_model_len`
+    tokens: then the real limit is the cache, and a long request would only fail later."""
+    if kv_tokens >= max_model_len:
+        return None
+    return (
+        f"max_model_len {max_model_len} but the KV cache holds {kv_tokens} tokens: requests are limited to "
+        f"{kv_tokens} tokens (prompt + output; /v1/models says so) — raise --kv-cache-memory or lower --max-model-len"
+    )
 
 
 def startup_summary(

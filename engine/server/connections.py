@@ -28,9 +28,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.log import log
-from engine.server.config import ServerConfig
 from engine.server.errors import closing_response
 from engine.server.protocol import APIError
+from kvtop.protocol.config import ServerConfig
 
 MAX_HEAD = 16 * 1024  # bytes: an unfinished request head bigger than this is a 400 (h11's buffer limit)
 REPEAT_LOG_INTERVAL = 10.0  # seconds: what a flood of connections would log line by line, at most once per this

@@ -22,7 +22,7 @@ from engine.server.bodies import read_request
 from engine.server.errors import install_error_handlers
 from engine.server.loop import EngineLoop
 from engine.server.protocol import APIError, DrainRequest, EvictRequest, SnapshotRequest
-from engine.snapshot import SnapshotError, SnapshotExists, check_target
+from kvtop.protocol.snapshot import SnapshotError, SnapshotExists, check_target
 
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
 MAX_CONTROL_BODY = 64 * 1024  # the largest real body is a snapshot path and a reason

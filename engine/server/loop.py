@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from engine.flight_recorder import FlightRecorder
 from engine.llm_engine import LLMEngine
 from engine.log import log
 from engine.openmp import release_thread_pool
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
-from engine.server.config import ServerConfig
 from engine.server.triggers import SnapshotTriggers
-from engine.snapshot import FlightRecorder, check_target, write_snapshot
+from kvtop.protocol.config import ServerConfig
+from kvtop.protocol.snapshot import check_target, write_snapshot
 
 Sink = Callable[[RequestOutput], None]
 RECENT_SNAPSHOTS = 10

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvtop.protocol.config import MAX_DRAIN_TIMEOUT_S
+
 MAX_N = 128
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -335,9 +337,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-MAX_DRAIN_TIMEOUT_S = 86400.0  # a day: the deadline feeds Retry-After and the countdowns, so it must be a sane number
 
 
 class DrainRequest(_Strict):

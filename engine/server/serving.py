@@ -28,7 +28,7 @@ from engine.server.loop import EngineLoop
 from engine.server.prompts import PromptBuilder
 from engine.server.protocol import APIError, _SamplingRequest
 from engine.server.streaming import LogprobsFn
-from engine.version import __version__
+from kvtop.protocol.version import __version__
 
 # (choice index, its finished output, its log-probs or None) -> the choice in the API's shape
 WholeChoice = Callable[[int, RequestOutput, dict | None], dict]

@@ -1,6 +1,6 @@
-"""Where the control socket lives, who may stand behind it, and binding it and the TCP port safely.
+"""Binding the control socket and the TCP port safely. Where the socket lives, and how a client
+knows who stands behind it, is the protocol's (kvtop/protocol/sockets.py), shared with the tools.
 
-Path (DESIGN §5): `--socket`, else `KVTOP_SOCKET`, else `${XDG_RUNTIME_DIR:-/tmp}/kvtop-$UID/engine.sock`.
 The socket is bound by us rather than by uvicorn, which would make it 0666: it is created 0600
 (umask while binding) in a directory we create 0700. The directory is the trust anchor: whoever can
 write in it can replace the socket and stand in for the engine, so an existing one that another
@@ -16,45 +16,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pwd
 import socket
 import stat
-import struct
 from pathlib import Path
 
-from engine.server.config import ServeError
+from engine.errors import ServeError
+from kvtop.protocol.sockets import describe_uid
 
 UDS_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
-
-
-def default_socket_path() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"kvtop-{os.getuid()}" / "engine.sock"
-
-
-def resolve_socket(path: str | Path | None = None) -> Path:
-    if path:
-        return Path(path).expanduser()
-    env = os.environ.get("KVTOP_SOCKET")
-    return Path(env).expanduser() if env else default_socket_path()
-
-
-def describe_uid(uid: int) -> str:
-    """`uid 65534 (nobody)`: the number, and the name where the system has one."""
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a connected Unix socket, from the kernel
-    (SO_PEERCRED: fixed when that process listened, so no file swapped in later can fake it);
-    None where the platform has no such option."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
 
 
 def check_socket_dir(directory: Path) -> None:

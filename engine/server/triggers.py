@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.server.config import ServerConfig
+from kvtop.protocol.config import ServerConfig
 
 
 @dataclass

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import ConfigError
-from engine.trace_file import Trace, TraceError
 from engine.whatif.config import SimConfig, recorded_config, whatif_config
 from engine.whatif.figures import recorded_figures, simulated_figures
 from engine.whatif.sim import simulate
 from engine.whatif.timing import StepTimeModel, fit
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.trace_file import Trace, TraceError
 
 SELF_CHECK = ("ttft_p50_s", "e2e_p50_s", "output_tokens_per_s")  # what the self-check compares
 

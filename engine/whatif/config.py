@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.config import KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES, format_bytes, parse_size
-from engine.errors import ConfigError
+from kvtop.protocol.config import KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES, format_bytes, parse_size
+from kvtop.protocol.errors import ConfigError
 
 # the knobs a what-if may change, by their EngineConfig names
 KNOBS = ("kv_cache_memory", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.trace_file import Trace
 from engine.whatif.sim import SimResult
+from kvtop.protocol.trace_file import Trace
 
 PERCENTILES = (50, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")

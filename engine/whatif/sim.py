@@ -19,15 +19,16 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import ConfigError
 from engine.kv.block_manager import BlockManager
 from engine.kv.cpu_tier import CpuTier
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
-from engine.trace import RequestRecord, StepRecord, step_shape
-from engine.trace_file import Trace
+from engine.trace import step_shape
 from engine.whatif.config import SimConfig
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.trace import RequestRecord, StepRecord
+from kvtop.protocol.trace_file import Trace
 
 _TAIL = 1 << 40  # token ids of a request's own tokens start here; shared blocks' ids are below
 _PARAMS = SamplingParams(max_tokens=1 << 30, ignore_eos=True)

@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.config import format_bytes, parse_size
-from engine.errors import ConfigError
-from engine.trace_file import Trace
 from engine.whatif.config import whatif_config
 from engine.whatif.figures import simulated_figures
 from engine.whatif.sim import simulate
 from engine.whatif.timing import StepTimeModel
+from kvtop.protocol.config import format_bytes, parse_size
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.trace_file import Trace
 
 SWEEPABLE = ("kv-cache-memory", "max-num-seqs", "max-num-batched-tokens", "load")
 _SLO_RE = re.compile(r"^\s*([a-z0-9_]+)\s*=\s*([0-9.]+)\s*(ms|s)?\s*$")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from engine.trace import RequestRecord
-from engine.trace_file import Trace
+from kvtop.protocol.trace import RequestRecord
+from kvtop.protocol.trace_file import Trace
 
 
 def synthetic_trace(

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import EngineError
-from engine.trace import StepRecord, StepShape
+from engine.trace import StepShape
+from kvtop.protocol.trace import StepRecord
 
 MIN_STEPS = 20  # fewer steps than this fit nothing worth trusting
 TERMS = ("const", "prefill_tokens", "decode_seqs", "context_tokens")

@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-from engine.server import metrics as metric_names  # the one place every kvtop_ metric is named
 from kvtop.ctl.openai_client import stream
+from kvtop.protocol import metric_names  # the one place every kvtop_ metric is named
 
 _WORDS_TEXT = """
     the of and to in is that for it as was with be by on not he this are or his from at which but
@@ -126,9 +126,9 @@ def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> l
     """Seconds to wait before each request: Poisson at burstiness 1, gamma otherwise; 0 at inf rate."""
     if request_rate == float("inf"):
         return [0.0] * n
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
     theta = 1.0 / (request_rate * burstiness)
-    return list(rng.gamma(shape=burstiness, scale=theta, size=n))
+    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
 
 
 async def _one(
@@ -296,12 +296,19 @@ def _server_view(before: dict[str, float], after: dict[str, float], peak: dict) 
     }
 
 
+def percentiles(values: list[float]) -> list[float]:
+    """The 1st to 99th percentiles of `values` (at least one), interpolated between the nearest two as
+    numpy's default does (statistics' "inclusive" method): the light install carries no numpy."""
+    if len(values) == 1:
+        return [float(values[0])] * 99
+    return statistics.quantiles(values, n=100, method="inclusive")
+
+
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p95": None, "p99": None}
-    a = np.asarray(values)
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"mean": float(a.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}
+    cuts = percentiles(values)
+    return {"mean": statistics.fmean(values), "p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
 
 
 def parse_slo(spec: str | None) -> dict[str, float]:

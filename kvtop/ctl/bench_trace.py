@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from engine.trace import RequestRecord, block_hash_chain
-from engine.trace_file import Trace, load_trace, write_jsonl
 from kvtop.ctl.bench import BenchRequest, RequestResult
+from kvtop.protocol.trace import RequestRecord, block_hash_chain
+from kvtop.protocol.trace_file import Trace, load_trace, write_jsonl
 
 TOKEN_IDS = (1000, 30000)  # ordinary tokens in every vocabulary we serve (SmolLM2's is 49,152)
 BLOCK_SIZE = 16  # a client does not know the server's: the engine's default

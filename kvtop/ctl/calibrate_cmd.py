@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import with_engine_options
 
 
@@ -26,24 +27,21 @@ def calibrate_command(
 ) -> None:
     """Run waves of synthetic requests (mixed prompt and output lengths) through the real engine and
     fit its steps: t = a + b·prefill tokens + c·decodes + d·context tokens."""
-    from engine.llm import run_to_completion
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
-    from engine.whatif.timing import fit
-
+    llm_engine, sampling = load_engine("engine.llm_engine", "calibrate"), load_engine("engine.sampling", "calibrate")
+    llm, timing = load_engine("engine.llm", "calibrate"), load_engine("engine.whatif.timing", "calibrate")
     if requests < 3 or max_prompt < 2 or max_output < 1:
         raise typer.BadParameter("need at least 3 requests, prompts of 2 tokens and outputs of 1")
-    engine = LLMEngine(config, quiet=True)
+    engine = llm_engine.LLMEngine(config, quiet=True)
     rng = random.Random(prompt_seed)
     top = min(max_prompt, engine.max_seq_len - max_output - 1)
     for wave in range(3):
         ids = []
         for _ in range(requests // 3):
             prompt = [rng.randrange(1, engine.spec.vocab_size) for _ in range(rng.randint(2, max(2, top)))]
-            params = SamplingParams(max_tokens=rng.randint(1, max_output), ignore_eos=True)
+            params = sampling.SamplingParams(max_tokens=rng.randint(1, max_output), ignore_eos=True)
             ids.append(engine.add_request(prompt, params))
-        run_to_completion(engine, ids)
+        llm.run_to_completion(engine, ids)
         typer.echo(f"wave {wave + 1}/3: {len(engine.trace.steps)} steps so far", err=True)
-    model = fit(list(engine.trace.steps), f"kvctl calibrate ({config.model} on {engine.device})")
+    model = timing.fit(list(engine.trace.steps), f"kvctl calibrate ({config.model} on {engine.device})")
     model.save(output)
     typer.echo(f"{output}: {model.describe()}")

@@ -17,8 +17,9 @@ __all__ = ["CLIError", "app", "main"]
 
 
 class _Commands(TyperGroup):
-    """kvctl's command group, with commands whose modules import torch loaded only when used
-    (run, or listed by --help), so that `kvctl status`, `drain` or a completion stay instant."""
+    """kvctl's command group, with the commands of the engine's tools loaded only when used (run,
+    or listed by --help), so that `kvctl status`, `drain` or a completion stay instant. No kvtop
+    module imports the engine: those that run it load it through kvtop/ctl/engine_gate.py."""
 
     LAZY: ClassVar[dict[str, tuple[str, str]]] = {
         "plan": ("kvtop.ctl.plan_cmd", "plan_command"),
@@ -73,13 +74,13 @@ app.command("serve")(serve_cmd.serve)
 for _command in (control_cmds.status, control_cmds.drain, control_cmds.resume, control_cmds.evict,
                  control_cmds.snapshot):  # fmt: skip
     app.command()(_command)
-app.add_typer(bench_app, name="bench")  # `plan` is in _Commands.LAZY: kvtop.ctl.plan_cmd imports torch
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()
 def replay(file: Annotated[Path, typer.Argument(help="A .kvsnap snapshot file.")]) -> None:
     """Open a snapshot in the kvtop dashboard (after checking it is a readable snapshot)."""
-    from engine.snapshot_reader import SnapshotReader
+    from kvtop.protocol.snapshot_reader import SnapshotReader
 
     SnapshotReader(file).close()  # a quick look, not a load: SnapshotError is one line and exit 1 (main)
     from kvtop.dashboard import cli as dashboard

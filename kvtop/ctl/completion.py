@@ -4,7 +4,7 @@ Static rather than typer's call-back scripts: a TAB must not start Python. The s
 checked in under `completions/` (`make completions` rewrites them; a test fails when they are
 stale). The command trees are read from the two typer apps (`kvtop.ctl.cli.app`,
 `kvtop.dashboard.cli.cli`); choices the CLIs keep as plain strings come from the constants in
-`engine.config`.
+`kvtop.protocol.config`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,15 @@ from typing import Annotated, Literal, get_args, get_origin
 
 import typer
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES
-from engine.server.config import TRIGGERS
 from kvtop.entry import CLIError
+from kvtop.protocol.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SCHEDULE_POLICIES,
+    TRIGGERS,
+)
 
 SHELLS = ("bash", "zsh", "fish")
 FILE_NAMES = {"bash": "{prog}.bash", "zsh": "_{prog}", "fish": "{prog}.fish"}

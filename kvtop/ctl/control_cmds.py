@@ -127,7 +127,7 @@ def drain(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
     """Stop admitting new requests and wait while those in flight finish. Exit 0 once drained."""
-    from engine.server.protocol import MAX_DRAIN_TIMEOUT_S
+    from kvtop.protocol.config import MAX_DRAIN_TIMEOUT_S
 
     if timeout is not None and not 0 <= timeout <= MAX_DRAIN_TIMEOUT_S:  # nan, inf and 1e309 (inf) too
         raise typer.BadParameter(
@@ -260,7 +260,7 @@ def _is_text(value: str) -> bool:
 def _snapshot_path(output: str) -> str:
     """The path the server is asked to write: absolute (the server has its own cwd), its last
     part not resolved, so a symlink there is refused by the server rather than followed here; a
-    trailing / kept, since it says the path is a directory (engine.snapshot.check_target)."""
+    trailing / kept, since it says the path is a directory (kvtop.protocol.snapshot.check_target)."""
     text = str(Path(output).expanduser().absolute()) + ("/" if output.endswith("/") and output != "/" else "")
     if not _is_text(text):
         shown = text.encode("utf-8", "backslashreplace").decode()

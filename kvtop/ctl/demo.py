@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtop.client import EngineClient, EngineUnavailable
+from kvtop.ctl.bench import percentiles
 from kvtop.ctl.openai_client import complete, stream
 
 PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
@@ -229,8 +229,8 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
     return results, time.perf_counter() - t0, watch
 
 
-def _pct(values: list[float], q: float) -> str:
-    return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
+def _pct(values: list[float], q: int) -> str:
+    return f"{percentiles(values)[q - 1] * 1000:.0f}" if values else "-"
 
 
 def summary(results: list[Result], elapsed: float, watch: Watch, frame: dict) -> Table:

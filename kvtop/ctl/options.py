@@ -14,7 +14,14 @@ from typing import Annotated
 
 import typer
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES, EngineConfig
+from kvtop.protocol.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
 
 _P = "Engine"
 

@@ -1,4 +1,5 @@
-"""`kvctl plan`: the KV capacity calculator, as a table or JSON."""
+"""`kvctl plan`: the KV capacity calculator, as a table or JSON (engine/planning.py: it reads the
+model's shape with transformers and sizes the KV as the engine does, so it loads the engine)."""
 
 import dataclasses
 import json
@@ -8,9 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import format_bytes, parse_size
-from engine.planning import GPU_MEMORY_UTILIZATION, PLAN_KV_DTYPES, Plan, plan
+from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import JsonFlag
+from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes, parse_size
 
 
 def plan_command(
@@ -30,7 +31,7 @@ def plan_command(
     ] = None,
     gpu_memory_utilization: Annotated[
         float, typer.Option(help="With --memory: the share the engine may use; the rest is headroom (vLLM's).")
-    ] = GPU_MEMORY_UTILIZATION,
+    ] = EngineConfig.gpu_memory_utilization,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     context: Annotated[
         str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
@@ -50,14 +51,14 @@ def plan_command(
         ) from None
     if contexts and any(c <= 0 for c in contexts):
         raise typer.BadParameter("context lengths must be positive", param_hint="--context")
-    p = plan(
+    p = load_engine("engine.planning", "plan").plan(
         model,
         dtype=dtype,
         kv_cache_memory=parse_size(kv_cache_memory),
         memory=parse_size(memory),
         block_size=block_size,
         contexts=contexts,
-        kv_dtypes=PLAN_KV_DTYPES,
+        kv_dtypes=KV_CACHE_DTYPES,
         gpu_memory_utilization=gpu_memory_utilization,
     )  # PlanError (weights or budget do not fit): one line and exit 1, from kvctl's main
     if as_json:
@@ -68,7 +69,7 @@ def plan_command(
         print_plan(p)
 
 
-def print_plan(p: Plan) -> None:
+def print_plan(p) -> None:  # an engine.planning.Plan
     """The plan as a terminal reads it: the model, the budget, one row per KV dtype, the warnings."""
     out = Console()
     budget = f"{format_bytes(p.kv_memory_bytes)} for KV"

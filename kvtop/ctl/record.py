@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from engine.snapshot import check_target
+from kvtop.protocol.snapshot import check_target
 from kvtop.sources.recorder import Recording, source_meta
 from kvtop.urls import checked_url
 

@@ -1,5 +1,6 @@
 """`kvctl run`: offline batch generation from a JSONL file, with a progress bar and a summary
-(a typer shell over kvtop.ctl.run; the engine, and torch, load only when the command runs)."""
+(a typer shell over engine/batch.py; the engine, and torch, load only when the command runs, through
+kvtop/ctl/engine_gate.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine.config import EngineConfig
+from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import with_engine_options
 from kvtop.dashboard.widgets.fmt import ms
 from kvtop.entry import CLIError
+from kvtop.protocol.config import EngineConfig
 
 out = Console()
 err = Console(stderr=True)
@@ -37,29 +39,25 @@ def run(
     config: EngineConfig,
 ) -> None:
     """Offline batch: generate for every prompt in a JSONL file, with a progress bar and a summary."""
-    from engine import LLMEngine
-    from kvtop.ctl.run import output_record, read_prompts
-
+    batch = load_engine("engine.batch", "run")
     if not prompts.exists():
         raise CLIError(f"no such prompts file: {prompts}")
-    engine = LLMEngine(config)
+    engine = load_engine("engine.llm_engine", "run").LLMEngine(config)
     defaults = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "ignore_eos": ignore_eos}  # fmt: skip
-    specs = read_prompts(prompts, engine, defaults)
-    outputs, summary = _run_with_progress(engine, specs)
+    specs = batch.read_prompts(prompts, engine, defaults)
+    outputs, summary = _run_with_progress(batch, engine, specs)
     if output:
         with output.open("w") as f:
             for spec, o in zip(specs, outputs, strict=True):
-                f.write(json.dumps(output_record(spec, o)) + "\n")
+                f.write(json.dumps(batch.output_record(spec, o)) + "\n")
     if json_summary:
         out.print_json(json.dumps(summary))
     else:
         out.print(summary_table(summary, output))
 
 
-def _run_with_progress(engine, specs) -> tuple[list, dict]:
-    from kvtop.ctl.run import run_batch
-
+def _run_with_progress(batch, engine, specs) -> tuple[list, dict]:
     total_tokens = sum(s.params.max_tokens for s in specs)
     columns = (TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
                TextColumn("requests · {task.fields[tokens]} tokens"), TimeElapsedColumn())  # fmt: skip
@@ -72,7 +70,7 @@ def _run_with_progress(engine, specs) -> tuple[list, dict]:
             generated += new_tokens
             progress.update(task, advance=finished, tokens=f"{generated}/≤{total_tokens}")
 
-        return run_batch(engine, specs, on_progress)
+        return batch.run_batch(engine, specs, on_progress)
 
 
 def summary_table(summary: dict, output: Path | None = None) -> Table:

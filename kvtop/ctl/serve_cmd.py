@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from engine.config import EngineConfig
-from engine.server.config import TRIGGERS, ServerConfig
+from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import SOCKET_HELP, with_engine_options, with_options
+from kvtop.protocol.config import TRIGGERS, EngineConfig, ServerConfig
 
 _S = "Server"
 PER_IP_HELP = (
@@ -75,6 +75,5 @@ def serve(
     config: EngineConfig,
 ) -> None:
     """Serve the OpenAI API, Prometheus metrics and the stats/control socket until SIGTERM."""
-    from engine.server.app import serve as run_server
-
-    raise typer.Exit(run_server(config, server, log_level=log_level))
+    app = load_engine("engine.server.app", "serve")
+    raise typer.Exit(app.serve(config, server, log_level=log_level))

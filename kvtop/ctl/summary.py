@@ -8,9 +8,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from engine.config import format_bytes
 from kvtop import blocks
 from kvtop.dashboard.widgets.fmt import duration, ms
+from kvtop.protocol.config import format_bytes
 
 MAP_WIDTH = 96
 MAX_SEQUENCES = 12

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvtop.ctl.engine_gate import load_engine
 from kvtop.dashboard.widgets.fmt import ms, pct
 
 out = Console()
@@ -79,21 +80,21 @@ def whatif_command(
 ) -> None:
     """Replay a recorded workload through the engine's own scheduler and block manager under another
     configuration: what happened, the recorded configuration simulated (the self-check), the what-if."""
-    from engine.trace_file import load_trace
-    from engine.whatif.compare import compare, parse_load
-    from engine.whatif.timing import StepTimeModel
+    from kvtop.protocol.trace_file import load_trace
+
+    whatif, timing_model = load_engine("engine.whatif.compare", "whatif"), load_engine("engine.whatif.timing", "whatif")
 
     overrides = {"kv_cache_memory": kv_cache_memory, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
                  "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "max_model_len": max_model_len, "enable_prefix_caching": enable_prefix_caching,
                  "schedule_policy": schedule_policy, "preemption_mode": preemption_mode,
                  "cpu_offload_memory": cpu_offload_memory}  # fmt: skip
-    factor = parse_load(load)
+    factor = whatif.parse_load(load)
     trace = load_trace(source)
-    timing = StepTimeModel.load(calibration) if calibration else None
+    timing = timing_model.StepTimeModel.load(calibration) if calibration else None
     if sweep:
         return run_sweep(trace, sweep, points, slo, overrides, factor, timing, json_out)
-    result = compare(trace, overrides, factor, timing)
+    result = whatif.compare(trace, overrides, factor, timing)
     if json_out:
         doc = {**result.columns(), "self_check": result.self_check(), "timing": result.timing.describe(),
                "recorded_config": result.recorded_config.describe(), "whatif_config": result.whatif_config.describe(),
@@ -131,14 +132,11 @@ def run_sweep(trace, spec: str, points: int, slo_text: str | None, overrides: di
     """--sweep: the what-if at each setting, a bar of TTFT P99 each, and the smallest meeting --slo."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine.whatif import sweep as sw
-    from engine.whatif.compare import require_config
-    from engine.whatif.timing import fit
-
+    sw = load_engine("engine.whatif.sweep", "whatif")
     knob, values = sw.parse_sweep(spec, points)
     slo = sw.parse_slo(slo_text)
-    require_config(trace)
-    timing = timing or fit(trace.steps, trace.source)
+    load_engine("engine.whatif.compare", "whatif").require_config(trace)
+    timing = timing or load_engine("engine.whatif.timing", "whatif").fit(trace.steps, trace.source)
     with Progress(TextColumn(f"[bold]whatif[/bold] {knob}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:  # fmt: skip
         task = progress.add_task("sweep", total=len(values))
@@ -152,8 +150,7 @@ def run_sweep(trace, spec: str, points: int, slo_text: str | None, overrides: di
 
 
 def _print_sweep(knob: str, rows: list[dict], slo: dict, best: dict | None) -> None:
-    from engine.whatif import sweep as sw
-
+    sw = load_engine("engine.whatif.sweep", "whatif")
     top = max((r.get("ttft_p99_s") or 0.0 for r in rows), default=0.0) or 1.0
     t = Table(title=f"kvctl whatif --sweep {knob} (latencies in ms, output in tokens/s)")
     for col in (knob, "TTFT P99", "", "ITL P99", "e2e P50", "preempt", "peak KV", "tok/s"):

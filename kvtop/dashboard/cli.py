@@ -78,7 +78,7 @@ def pick(socket, replay, url, engine, targets, prometheus, interval):
     except ValueError as exc:  # a URL that is not one
         raise UsageError(str(exc)) from None
     if replay is not None:
-        from engine.snapshot import SnapshotError
+        from kvtop.protocol.snapshot import SnapshotError
         from kvtop.sources import ReplaySource
 
         try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from kvtop.protocol.frame import StatsFrame
+
 HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
 NOTABLE_EVENTS = (
     "preempted", "swapped", "evicted", "prefix_evicted", "drain_started", "drain_finished", "resumed",
@@ -56,11 +58,12 @@ class FrameSource(ABC):
         return list((self.current or {}).get("unavailable") or [])
 
     @abstractmethod
-    def poll(self) -> dict | None:
-        """Blocking: the frame to show now, or None if nothing changed. Raises SourceUnavailable."""
+    def poll(self) -> StatsFrame | None:
+        """Blocking: the frame to show now (partial where the source cannot know a field), or None if
+        nothing changed. Raises SourceUnavailable."""
 
     @abstractmethod
-    def history(self, seconds: float = HISTORY_S) -> list[dict]:
+    def history(self, seconds: float = HISTORY_S) -> list[StatsFrame]:
         """Frames up to and including the current one, the last `seconds` of them, oldest first."""
 
     @abstractmethod

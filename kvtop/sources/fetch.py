@@ -1,7 +1,7 @@
 """One HTTP GET whose answer is bounded, whatever the server does: at most `max_bytes` of body and
 `deadline_s` for the whole exchange (connecting, headers, body).
 
-Pages come from engines anyone may point kvtop at: a 2 GB page, or one sent a byte a second, must
+Pages are served by engines anyone may point kvtop at: a 2 GB page, or one sent a byte a second, must
 cost a bounded amount of memory and time. httpx's timeouts are per read, so a byte a second never
 trips them; the deadline here is the whole exchange's. A timer shuts the connection's socket down
 at the deadline, which ends a read that is waiting, in the headers as in the body. The socket is

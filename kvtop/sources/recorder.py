@@ -1,6 +1,6 @@
 """The client-side flight recorder: frames from any source (vLLM, SGLang, llama.cpp, ours) as a `.kvsnap`.
 
-The file is the engine's own snapshot format (DESIGN §7, written by `engine.snapshot.write_snapshot`),
+The file is the engine's own snapshot format (DESIGN §7, written by kvtop.protocol's `write_snapshot`),
 so `kvctl replay` and `kvtop --replay` play a vLLM incident as they play ours. Frames read from a
 `/metrics` page are partial: they keep their absent fields absent, and the snapshot's block and
 sequence tables are empty. The meta row's config says where the frames came from (`recorded_by`,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.snapshot import SnapshotError, SnapshotExists, check_target, write_snapshot
+from kvtop.protocol.snapshot import SnapshotError, SnapshotExists, check_target, write_snapshot
 from kvtop.sources.base import FrameSource, SourceUnavailable
 
 MAX_FRAMES = 100_000  # a recording without --duration keeps the newest: about 28 hours at one a second

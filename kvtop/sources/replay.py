@@ -10,8 +10,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from engine.snapshot import Snapshot
-from engine.snapshot_reader import FrameError, LazyFrames, SnapshotReader
+from kvtop.protocol.snapshot import Snapshot
+from kvtop.protocol.snapshot_reader import FrameError, LazyFrames, SnapshotReader
 from kvtop.sources.base import CHECK_AT_OPEN, CHECK_BYTES_AT_OPEN, HISTORY_BYTES, HISTORY_FRAMES, HISTORY_S, FrameSource
 
 

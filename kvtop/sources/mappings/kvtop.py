@@ -1,6 +1,6 @@
 """Our own server's `/metrics` (engine/server/metrics.py): for an engine whose socket is out of reach."""
 
-from engine.server import metrics as M  # where every kvtop_ name is defined: none is retyped here
+from kvtop.protocol import metric_names as M  # where every kvtop_ name is defined: none is retyped here
 from kvtop.sources.mappings.mapping import Mapping
 
 T = "_total"  # a counter's samples carry it

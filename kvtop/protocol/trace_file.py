@@ -3,7 +3,7 @@ from a JSONL file or from a `.kvsnap` snapshot's `requests` and `steps` tables.
 
 JSONL: one JSON object a line, each with a `type`. The first line is the `header`
 (`{"type": "header", "format": 1, "source": ..., "config": {...} | null}`: the engine that ran
-the trace, engine/trace.py's `trace_header`); then `request` lines (engine/trace.py's
+the trace, engine/trace.py's `trace_header`); then `request` lines (kvtop/protocol/trace.py's
 `RequestRecord` fields) and, when the engine wrote it, `step` lines (`StepRecord` fields).
 """
 
@@ -14,14 +14,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.errors import EngineError
-from engine.trace import RequestRecord, StepRecord
+from kvtop.protocol.errors import KvtopError
+from kvtop.protocol.trace import RequestRecord, StepRecord
 
 TRACE_FORMAT = 1
 _REQUIRED = {"id": str, "arrival_time": (int, float), "prompt_len": int, "block_hashes": list, "max_tokens": int}
 
 
-class TraceError(EngineError):
+class TraceError(KvtopError):
     """A trace that cannot be read or replayed: the message says what is wrong and what to do."""
 
 
@@ -119,7 +119,7 @@ def _checked(trace: Trace) -> Trace:
 
 def read_snapshot_trace(path: Path) -> Trace:
     """The trace a `.kvsnap` holds, or TraceError saying why there is none."""
-    from engine.snapshot_reader import SnapshotReader
+    from kvtop.protocol.snapshot_reader import SnapshotReader
 
     with SnapshotReader(path) as r:
         has_tables, (requests, steps) = r.has_trace_tables(), r.trace_rows()

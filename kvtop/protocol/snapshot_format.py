@@ -1,13 +1,13 @@
-"""What a `.kvsnap` is, for both its writer (`engine.snapshot`) and its reader
-(`engine.snapshot_reader`): the schema version, the tables, the loaded `Snapshot`, and the error
-either raises. Callers import these from `engine.snapshot`."""
+"""What a `.kvsnap` is, for both its writer (`kvtop.protocol.snapshot`) and its reader
+(`kvtop.protocol.snapshot_reader`): the schema version, the tables, the loaded `Snapshot`, and the
+error either raises. Callers import these from `kvtop.protocol.snapshot`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import EngineError
+from kvtop.protocol.errors import KvtopError
 
 SNAPSHOT_SCHEMA_VERSION = 2  # 2: the request trace (`requests`, `steps`, meta `workload`; engine/trace.py)
 READABLE_VERSIONS = (1, 2)
@@ -15,7 +15,7 @@ TABLES = ("meta", "frames", "events", "sequences", "blocks")  # every version ha
 TRACE_TABLES = ("requests", "steps")  # version 2 on
 
 
-class SnapshotError(EngineError):
+class SnapshotError(KvtopError):
     """A snapshot that cannot be written where asked, or a file that cannot be read: missing,
     not SQLite, truncated, or not kvtop's."""
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from engine.frame_check import check_frame
-from engine.snapshot_format import (
+from kvtop.protocol.frame import normalize_frame
+from kvtop.protocol.frame_schema import check_frame
+from kvtop.protocol.snapshot_format import (
     READABLE_VERSIONS,
     SNAPSHOT_SCHEMA_VERSION,
     TABLES,
@@ -30,7 +31,6 @@ from engine.snapshot_format import (
     Snapshot,
     SnapshotError,
 )
-from engine.stats import normalize_frame
 
 MAX_EVENTS = 100_000  # an engine keeps 5,000; a crafted file cannot make replay hold millions
 CACHE_FRAMES, CACHE_BYTES = 4096, 32 * 1024**2  # LazyFrames: parsed frames kept, and about their JSON's size

@@ -1,4 +1,5 @@
-"""Snapshots (DESIGN §7): the flight recorder and the `.kvsnap` SQLite file it is written to.
+"""Snapshots (DESIGN §7): writing the `.kvsnap` SQLite file, for the engine's flight recorder
+(engine/flight_recorder.py) and for `kvctl record` alike.
 
 A snapshot holds the last minutes of stats frames plus the events, sequences and block table at
 the moment it was taken. Written with sqlite-utils into a 0600 temp file beside the target, then
@@ -10,7 +11,7 @@ directory that exists (never created, except the server's own snapshot dir; a pa
 names a directory, which must exist), and nothing replaced unless asked (`force`) — and even then
 only a regular file, never through a symlink.
 
-Reading (`engine.snapshot_reader`): replay opens a file lazily, `read_snapshot` loads it all.
+Reading (`kvtop.protocol.snapshot_reader`): replay opens a file lazily, `read_snapshot` loads it all.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import re
 import stat
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.snapshot_format import SNAPSHOT_SCHEMA_VERSION, Snapshot, SnapshotError
-from engine.snapshot_format import TABLES as TABLES  # where callers find it
-from engine.snapshot_reader import load_snapshot
+from kvtop.protocol.snapshot_format import SNAPSHOT_SCHEMA_VERSION, Snapshot, SnapshotError
+from kvtop.protocol.snapshot_format import TABLES as TABLES  # where callers find it
+from kvtop.protocol.snapshot_reader import load_snapshot
 
 REDACTED = "<redacted>"
 _SECRET = re.compile(r"(key|token|secret|password|passwd|credential)$")
@@ -41,21 +41,6 @@ MAX_PATH_BYTES = 4096
 
 class SnapshotExists(SnapshotError):
     """The target exists and replacing it was not asked for."""
-
-
-class FlightRecorder:
-    """The last `history_s` seconds of stats frames, one every `interval_s`, in a bounded ring."""
-
-    def __init__(self, history_s: float = 600.0, interval_s: float = 0.5) -> None:
-        self.interval_s = interval_s
-        self.history_s = history_s
-        self.frames: deque[dict] = deque(maxlen=max(1, int(history_s / interval_s)))
-
-    def record(self, frame: dict) -> None:
-        self.frames.append(frame)
-
-    def snapshot_frames(self) -> list[dict]:
-        return list(self.frames)
 
 
 # ---- where a snapshot may go ----------------------------------------------------------------

@@ -1,22 +1,116 @@
-"""ServerConfig: every knob of `kvctl serve` that is not an engine knob, with its default."""
+"""What an engine and its server are started with: `EngineConfig` (every engine knob and its
+default) and `ServerConfig` (every other knob of `kvctl serve`), with the value lists shell
+completion offers.
+
+Part of the protocol because both sides read them: kvctl declares one flag per field (kebab case:
+`--kv-cache-memory 128MiB`) and completes their values without loading the engine, and the engine
+runs with them. Field names follow vLLM's (`max_num_seqs`, `block_size`, `kv_cache_dtype`…) so
+operators' habits carry over.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from engine.config import parse_size
-from engine.errors import ConfigError, EngineError
+from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.paths import cache_dir
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Parse `256MiB`, `1GiB`, `500MB`, `4096` into bytes; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"cannot read size {value!r}: use a number of bytes or e.g. 256MiB, 1GiB")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    if unit.endswith("i"):
+        mult = 1024 ** ("kmgt".index(unit[0]) + 1)
+    else:
+        mult = _UNITS[unit]
+    return int(number * mult)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1.5 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    kv_cache_memory: int | str | None = None  # bytes or "256MiB"; default 256MiB on CPU
+    gpu_memory_utilization: float = 0.9  # GPU only, used when kv_cache_memory is unset
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    schedule_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    cpu_offload_memory: int | str | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.cpu_offload_memory = parse_size(self.cpu_offload_memory)
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("schedule_policy", SCHEDULE_POLICIES),
+            ("preemption_mode", PREEMPTION_MODES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a positive power of two (16 is usual)")
+        if self.max_num_seqs <= 0:
+            raise ConfigError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below block_size={self.block_size}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
 
 TRIGGERS = ("preemption-storm", "slo-breach", "queue-full")
 DEFAULT_MAX_REQUEST_BODY = 8 * 1024**2
 DEFAULT_READ_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 30.0
+MAX_DRAIN_TIMEOUT_S = 86400.0  # the control socket's longest drain deadline; a day: the deadline feeds Retry-After and the countdowns, so it must be a sane number
 
 
 def default_snapshot_dir() -> Path:
-    from engine.paths import cache_dir
-
     return cache_dir() / "snapshots"
 
 
@@ -87,7 +181,3 @@ class ServerConfig:
         if not value:
             return ()
         return tuple(t.strip() for t in value.split(",") if t.strip())
-
-
-class ServeError(EngineError):
-    """The server cannot start as asked (socket taken, port busy, bad setting)."""

@@ -1,23 +1,42 @@
-"""Is this a stats frame? A light structural check driven by `engine/stats_schema.json`.
+"""The stats frame's JSON Schema, derived from its types (kvtop/protocol/frame.py), and
+`check_frame`: is this a frame the dashboard can draw?
 
-Replay reads frames from files anyone can hand it; one that is not a stats frame must be a
-clear message, not a traceback deep in a widget. This checks what the renderers index into:
-`required` keys, `type`s, `const` and `enum`, through `properties`, `items`, `additionalProperties`
-and local `$ref`s. Bounds (`minimum`, `pattern`…) are left to the full JSON Schema in the tests:
-a frame with a negative count draws oddly, it does not crash. jsonschema is only a dev dependency.
+`frame_schema()` walks `StatsFrame`'s TypedDicts: a TypedDict is an object whose required keys are
+its non-`NotRequired` ones, `Literal` a const or an enum, `X | None` adds "null", `list[X]` and
+`dict[str, X]` their items, and `Schema(...)` in `Annotated` adds its keywords (bounds, pattern,
+description). The tests validate engine frames against it with jsonschema (a dev dependency);
+`python -m kvtop.protocol.frame_schema` prints it for anyone else's tools.
+
+Replay reads frames from files anyone can hand it; one that is not a stats frame must be a clear
+message, not a traceback deep in a widget. `check_frame` checks what the renderers index into:
+`required` keys, `type`s, `const` and `enum`, through `properties`, `items` and
+`additionalProperties`. Bounds (`minimum`, `pattern`…) are left to the full JSON Schema in the
+tests: a frame with a negative count draws oddly, it does not crash.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
-from typing import Any
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    NotRequired,
+    Required,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+    is_typeddict,
+)
 
-SCHEMA_PATH = Path(__file__).with_name("stats_schema.json")
+from kvtop.protocol.frame import SCHEMA_VERSION, Schema, StatsFrame
+
 TYPES = {  # JSON gives exact types: `type(v) is int` leaves bool out, and is fast
     "object": lambda v: type(v) is dict,
     "array": lambda v: type(v) is list,
@@ -27,16 +46,74 @@ TYPES = {  # JSON gives exact types: `type(v) is int` leaves bool out, and is fa
     "integer": lambda v: type(v) is int,
     "number": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
 }
+_SIMPLE = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null"}
 
 
 @cache
-def stats_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
+def frame_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of a stats frame, from `StatsFrame`."""
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://kvtop.invalid/schemas/stats-frame-{SCHEMA_VERSION}.json",
+        "title": f"kvtop stats frame, schema {SCHEMA_VERSION}",
+        **json_schema(StatsFrame),
+    }
+    return schema
+
+
+def json_schema(tp: Any) -> dict:
+    """The JSON Schema of one type of the frame's vocabulary (see the module's docstring)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        schema = json_schema(args[0])
+        for extra in args[1:]:
+            if isinstance(extra, Schema):
+                schema.update(extra.keywords)
+        return schema
+    if origin in (Required, NotRequired):
+        return json_schema(args[0])
+    if is_typeddict(tp):
+        return _object(tp)
+    if tp in _SIMPLE:
+        return {"type": _SIMPLE[tp]}
+    if tp is Any:
+        return {}
+    if origin is Literal:
+        return {"const": args[0]} if len(args) == 1 else {"enum": list(args)}
+    if origin in (Union, types.UnionType):
+        return _union([json_schema(a) for a in args])
+    if origin is list:
+        return {"type": "array", **({"items": json_schema(args[0])} if args and args[0] is not Any else {})}
+    if origin is dict:
+        return {"type": "object", **({"additionalProperties": json_schema(args[1])} if args[1] is not Any else {})}
+    raise TypeError(f"the frame's types have no JSON Schema for {tp!r}")
+
+
+def _object(td: type) -> dict:
+    hints = get_type_hints(td, include_extras=True)
+    schema: dict = {"type": "object"}
+    if td.__doc__:
+        schema["description"] = " ".join(td.__doc__.split())
+    schema["required"] = [k for k in hints if k in td.__required_keys__]
+    schema["properties"] = {k: json_schema(v) for k, v in hints.items()}
+    return schema
+
+
+def _union(members: list[dict]) -> dict:
+    """`A | B`: their types listed together, their other keywords merged (the frame's unions are
+    `X | None`, where nothing but the type differs)."""
+    out: dict = {}
+    kinds: list[str] = []
+    for m in members:
+        kind = m.get("type")
+        kinds += [kind] if isinstance(kind, str) else list(kind or ())
+        out.update({k: v for k, v in m.items() if k != "type"})
+    return {"type": kinds, **out}
 
 
 @dataclass(eq=False)
 class _Node:
-    """One schema node with its `$ref` resolved, ready to check values against."""
+    """One schema node, ready to check values against."""
 
     types: tuple[str, ...] = ()
     ok: Callable[[Any], bool] | None = None  # the type check
@@ -52,19 +129,14 @@ class _Node:
 
 @cache
 def _root() -> _Node:
-    schema = stats_schema()
-    return _compile(schema, schema, {})
+    schema = frame_schema()
+    return _compile(schema)
 
 
-def _compile(schema: dict, root: dict, seen: dict[int, _Node]) -> _Node:
-    if "$ref" in schema:
-        target: Any = root
-        for part in schema["$ref"].removeprefix("#/").split("/"):
-            target = target[part]
-        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
-    types = schema.get("type", ())
+def _compile(schema: dict) -> _Node:
+    kinds = schema.get("type", ())
     node = _Node(
-        types=(types,) if isinstance(types, str) else tuple(types),
+        types=(kinds,) if isinstance(kinds, str) else tuple(kinds),
         const=(schema["const"],) if "const" in schema else (),
         enum=schema.get("enum"),
         required=tuple(schema.get("required", ())),
@@ -72,11 +144,11 @@ def _compile(schema: dict, root: dict, seen: dict[int, _Node]) -> _Node:
     checks = [TYPES[t] for t in node.types if t in TYPES]
     if checks:
         node.ok = checks[0] if len(checks) == 1 else lambda v: any(c(v) for c in checks)
-    node.props = {k: _compile(v, root, seen) for k, v in schema.get("properties", {}).items()}
+    node.props = {k: _compile(v) for k, v in schema.get("properties", {}).items()}
     if isinstance(schema.get("additionalProperties"), dict):
-        node.extra = _compile(schema["additionalProperties"], root, seen)
+        node.extra = _compile(schema["additionalProperties"])
     if isinstance(schema.get("items"), dict):
-        node.items = _compile(schema["items"], root, seen)
+        node.items = _compile(schema["items"])
     node.leaf = not (node.props or node.extra or node.items or node.required)
     node.strict = bool(node.const) or node.enum is not None
     return node
@@ -157,3 +229,7 @@ def _kind(value: Any) -> str:
 def _short(value: Any) -> str:
     text = json.dumps(value) if not isinstance(value, dict | list) else f"a JSON {_kind(value)}"
     return text if len(text) <= 40 else text[:37] + "…"
+
+
+if __name__ == "__main__":
+    print(json.dumps(frame_schema(), indent=2, ensure_ascii=False))

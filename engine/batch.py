@@ -1,4 +1,5 @@
-"""Offline batch generation (`kvctl run`): a JSONL of prompts in, a JSONL of completions out.
+"""Offline batch generation (`kvctl run`, kvtop/ctl/run_cmd.py): a JSONL of prompts in, a JSONL of
+completions out.
 
 Each input line is an object with one of `prompt` (text), `messages` (chat, rendered with the
 model's chat template) or `prompt_token_ids`, and optionally its own sampling fields
