@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.snapshot import read_snapshot
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.messages import SequenceSelected
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.kv_panel import KVPanel
+from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import ReplaySource
 from tests.helpers import widget_text as text
 
@@ -33,17 +33,18 @@ SGR = re.compile(r"\x1b\[([0-9;]*)m")
 
 
 class Terminal:
-    """kvtop on a pseudo-terminal of a given size; `screen` is everything it wrote."""
+    """kvtop on a pseudo-terminal of a given size; `screen` is everything it wrote. `program`: what
+    runs (default: this checkout's kvtop), `args` after it."""
 
-    def __init__(self, args: list[str], env: dict[str, str], size: tuple[int, int] = (80, 24)) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], size: tuple[int, int] = (80, 24),
+                 program: list[str] | None = None) -> None:  # fmt: skip
         self.output = b""
+        argv = [*(program or [sys.executable, "-c", "from kvtop.dashboard.cli import main; main()"]), *args]
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the terminal's size, then kvtop
             cols, rows = size
             fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-            os.execve(
-                sys.executable, [sys.executable, "-c", "from kvtop.dashboard.cli import main; main()", *args], env
-            )
+            os.execve(argv[0], argv, env)
 
     def read_until(self, needle: str, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
