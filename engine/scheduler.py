@@ -62,19 +62,21 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        bm, free_blocks = self.bm, self.bm.free_queue  # the hot loop: one pass per running sequence
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.can_append(seq, n):
-                batch.peak_held_blocks = max(batch.peak_held_blocks, self.bm.num_blocks - self.bm.num_free)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            needed = bm.blocks_needed(seq, n)  # preempting others frees blocks, never changes this
+            while needed > len(free_blocks):
+                batch.peak_held_blocks = max(batch.peak_held_blocks, bm.num_blocks - len(free_blocks))
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.bm.append_slots(seq, n)
+                bm.take_blocks(seq, needed)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n

@@ -105,6 +105,29 @@ def test_a_drain_timeout_that_cannot_be_used_is_one_line(value, tmp_path, capsys
     assert len(err.strip().splitlines()) == 1 and "--timeout" in err and "from 0 to 86400" in err, err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--drain-timeout", "nan"),
+        ("--drain-timeout", "inf"),
+        ("--drain-timeout", "1e309"),
+        ("--drain-timeout", "86401"),
+        ("--stats-interval", "nan"),
+        ("--history", "inf"),
+        ("--request-timeout", "inf"),
+        ("--read-timeout", "nan"),
+        ("--snapshot-cooldown", "-1"),
+    ],
+)
+def test_serve_refuses_a_duration_it_cannot_use_in_one_line(flag, value, capsys):
+    """nan passed every `< 0` check and inf every `> 0` one: a drain deadline of nan never came, an
+    infinite one overflowed Retry-After. Refused before the model loads (no model named here)."""
+    code, _, err = run(["serve", "--model", "/nonexistent-model", flag, value], capsys)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "is not a number of seconds" in err, err
+    assert flag.removeprefix("--").replace("-", "_") in err
+
+
 BAD_URLS = {
     "http://127.0.0.1:abc": "the port 'abc' is not a number",
     "http://[::1": "the [ of its IPv6 address is not closed",

@@ -33,9 +33,9 @@ def workload(seed: int = 0, n: int = 14) -> list[tuple[int, list[int], SamplingP
     return out
 
 
-def record(tiny_dir: Path, blocks: int = 20, **knobs) -> LLMEngine:
+def record(model_dir: Path, blocks: int = 20, block_bytes: int = BLOCK_BYTES, **knobs) -> LLMEngine:
     """Run `workload()` on a real engine (arrivals by step) and return it, done."""
-    cfg = EngineConfig(model=str(tiny_dir), dtype="float32", kv_cache_memory=blocks * BLOCK_BYTES, max_num_seqs=6,
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=blocks * block_bytes, max_num_seqs=6,
                        max_num_batched_tokens=48, **knobs)  # fmt: skip
     engine = LLMEngine(cfg, quiet=True)
     pending = workload()

@@ -27,16 +27,33 @@ SCHEDULE = (
 )
 
 
-@pytest.fixture(scope="module")
-def trace(tiny_dir, tmp_path_factory):
-    """A recording that preempts and shares prefixes, through a snapshot file and back."""
-    engine = record(tiny_dir)
-    path = write_snapshot(tmp_path_factory.mktemp("whatif") / "r.kvsnap", model="tiny", config={}, reason="test",
-                          frames=[engine.stats()], events=[], trace=engine.trace_tables())  # fmt: skip
+SMOLLM2_BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # float32: 30 layers × K,V × 3 KV heads × 64 dims × 4 B a token
+
+
+def recorded_trace(engine, directory):
+    """The engine's recording, through a snapshot file and back."""
+    path = write_snapshot(directory / "r.kvsnap", model="test", config={}, reason="test", frames=[engine.stats()],
+                          events=[], trace=engine.trace_tables())  # fmt: skip
     return load_trace(path)
 
 
-def test_recorded_step_times_reproduce_the_recorded_schedule_step_by_step(trace):
+@pytest.fixture(scope="module")
+def trace(tiny_dir, tmp_path_factory):
+    """A recording of the tiny model that preempts and shares prefixes."""
+    return recorded_trace(record(tiny_dir), tmp_path_factory.mktemp("whatif"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_trace(smollm2_dir, tmp_path_factory):
+    """The same workload recorded on SmolLM2-135M, in as few blocks (its real tokens hash its outputs)."""
+    engine = record(smollm2_dir, block_bytes=SMOLLM2_BLOCK_BYTES)
+    assert engine.kv.num_blocks == 20, "SMOLLM2_BLOCK_BYTES must be SmolLM2's block"
+    return recorded_trace(engine, tmp_path_factory.mktemp("whatif-smollm2"))
+
+
+@pytest.mark.parametrize("recording", ["trace", "smollm2_trace"])
+def test_recorded_step_times_reproduce_the_recorded_schedule_step_by_step(recording, request):
+    trace = request.getfixturevalue(recording)
     res = simulate(trace, recorded_config(trace.config), RecordedTiming(trace.steps), keep_steps=True)
     assert sum(len(s.preempted) for s in trace.steps) > 0, "the recording must preempt"
     assert sum(h for s in trace.steps for _, h in s.admitted) > 0, "and hit the prefix cache"

@@ -182,3 +182,41 @@ def test_a_calibration_that_is_not_one_is_one_line(snapshot, tmp_path, capsys):
     (tmp_path / "x.json").write_text('{"coef": [1, 2]}')
     code, out, err = run([str(snapshot), "--calibration", str(tmp_path / "x.json")], capsys)
     _one_line_failure(code, out, err, "not a step-time calibration", "kvctl calibrate")
+
+
+@pytest.mark.anyio
+async def test_kvtop_replay_opens_the_same_comparison(snapshot):
+    """`f` in kvtop --replay: the three columns for the snapshot on screen, the what-if typed as
+    knob=value; a word that is not a knob, and a snapshot without a trace, say so in the dialog."""
+    from textual.widgets import DataTable
+
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets.whatif_dialog import WhatifScreen
+    from kvtop.sources import ReplaySource
+    from tests.helpers import until
+    from tests.helpers import widget_text as text
+
+    app = KvtopApp(ReplaySource.open(snapshot))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f")
+        await until(pilot, lambda: isinstance(app.screen, WhatifScreen), "the what-if dialog")
+        status = app.screen.query_one("#whatif-status")
+        await pilot.press(*"max-seqs=3", "enter")
+        await until(pilot, lambda: "is not a knob" in text(status), "the bad knob's error")
+        app.screen.query_one("#whatif-flags").value = ""
+        await pilot.press(*"kv-cache-memory=640KiB", "enter")
+        table = app.screen.query_one("#whatif-table", DataTable)
+        await until(pilot, lambda: table.display and table.row_count > 0, "the comparison", timeout=240)
+        labels = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        assert "preemptions" in labels and "TTFT P99 ms" in labels
+        assert [str(c.label) for c in table.columns.values()][1:] == ["recorded", "simulated", "what-if"]
+        assert "80 blocks × 16" in text(status) and "self-check" in text(status)
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, WhatifScreen), "the dialog to close")
+
+    old = KvtopApp(ReplaySource.open(SNAPSHOTS / "preemption-storm.kvsnap"))  # recorded before traces existed
+    async with old.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f", "enter")
+        await until(pilot, lambda: isinstance(old.screen, WhatifScreen), "the what-if dialog")
+        status = old.screen.query_one("#whatif-status")
+        await until(pilot, lambda: "written before request traces" in text(status), "the trace error", 60)

@@ -182,7 +182,11 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow `seq`'s table to hold `num_new_tokens` more tokens. Caller checked can_append."""
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+        self.take_blocks(seq, self.blocks_needed(seq, num_new_tokens))
+
+    def take_blocks(self, seq: Sequence, count: int) -> None:
+        """`count` free blocks onto the end of `seq`'s table (blocks_needed said how many)."""
+        for _ in range(count):
             seq.block_table.append(self._pop_free())
 
     def free(self, seq: Sequence) -> None:

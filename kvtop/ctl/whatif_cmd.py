@@ -39,7 +39,7 @@ ROWS = [
 CHECK_LABELS = {"ttft_p50_s": "TTFT P50", "e2e_p50_s": "e2e P50", "output_tokens_per_s": "output tok/s"}
 
 
-def _fmt(value, kind: str) -> str:
+def format_figure(value, kind: str) -> str:
     if value is None:
         return "—"
     if kind == "ms":
@@ -115,7 +115,7 @@ def print_comparison(result, source: Path) -> None:
         t.add_column(name, justify="right")
     cols = result.columns()
     for label, key, kind in ROWS:
-        t.add_row(label, *(_fmt(cols[c].get(key), kind) for c in ("recorded", "simulated", "whatif")))
+        t.add_row(label, *(format_figure(cols[c].get(key), kind) for c in ("recorded", "simulated", "whatif")))
     out.print(t)
     out.print(f"recorded: {result.recorded_config.describe()}", highlight=False)
     out.print(f"what-if:  {result.whatif_config.describe()}", highlight=False)
@@ -162,8 +162,8 @@ def _print_sweep(knob: str, rows: list[dict], slo: dict, best: dict | None) -> N
             t.add_row(r["label"], "—", "cannot hold a request", *["—"] * 5, *(["no"] if slo else []))
             continue
         bar = "█" * max(1, round(10 * (r["ttft_p99_s"] or 0.0) / top))
-        cells = [_fmt(r["ttft_p99_s"], "ms"), bar, _fmt(r["itl_p99_s"], "ms"), _fmt(r["e2e_p50_s"], "ms"),
-                 _fmt(r["preemptions"], "int"), _fmt(r["peak_kv_usage"], "pct"), _fmt(r["output_tokens_per_s"], "f1")]  # fmt: skip
+        cells = [format_figure(r["ttft_p99_s"], "ms"), bar, format_figure(r["itl_p99_s"], "ms"), format_figure(r["e2e_p50_s"], "ms"),
+                 format_figure(r["preemptions"], "int"), format_figure(r["peak_kv_usage"], "pct"), format_figure(r["output_tokens_per_s"], "f1")]  # fmt: skip
         verdict = "yes" if sw.meets(r, slo) else (f"no: {r['rejected']} refused" if r["rejected"] else "no")
         t.add_row(r["label"], *cells, *([verdict] if slo else []))
     out.print(t)

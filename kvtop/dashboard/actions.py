@@ -7,7 +7,7 @@ kvtop has read into a .kvsnap itself: kvtop/sources/recorder.py). Each opens a d
 destructive ones start on Cancel and need `y`. If confirmed, the request goes through
 `EngineClient` in a worker thread and a notification says how it went.
 
-`ReplayActions`, on a replay: step, skip, jump, speed.
+`ReplayActions`, on a replay: step, skip, jump, speed, what-if.
 
 `SequenceActions`, on the sequences table: filter, j/k, details, sort. Notifications never read
 sequence ids or engine errors as markup.
@@ -33,6 +33,7 @@ from kvtop.dashboard.widgets.sequences import COLUMNS, SequencesPanel
 from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.dashboard.widgets.view import View, ViewState
+from kvtop.dashboard.widgets.whatif_dialog import WhatifScreen
 from kvtop.sources import FrameSource, ReplaySource
 
 RECORD_BODY = (
@@ -209,7 +210,7 @@ class SequenceActions:
 
 
 class ReplayActions:
-    """On a replay (a source that `can_seek`): step, skip, start, end, speed, jump."""
+    """On a replay (a source that `can_seek`): step, skip, start, end, speed, jump, what-if."""
 
     replay: ReplaySource | None
 
@@ -243,3 +244,8 @@ class ReplayActions:
                 self._moved(lambda r: r.seek(offset))
 
         self.push_screen(JumpScreen(replay.end_ts - replay.start_ts), done)
+
+    def action_whatif(self) -> None:
+        path = getattr(self.replay.snapshot, "path", None) if self.replay else None
+        if path is not None:
+            self.push_screen(WhatifScreen(Path(path)))

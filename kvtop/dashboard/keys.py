@@ -65,6 +65,7 @@ REPLAY_KEYS = [
     Binding("g", "start", "Start", show=False, tooltip="the first frame"),
     Binding("G", "end", "End", show=False, tooltip="the last frame (the snapshot's moment)"),
     Binding("t", "jump", "Jump", tooltip="jump to a time"),
+    Binding("f", "whatif", "What if", tooltip="this recording under another configuration (kvctl whatif)"),
     Binding("plus", "speed(1)", "Faster", show=False, tooltip="play faster (×0.25 … ×16)"),
     Binding("minus", "speed(-1)", "Slower", show=False, tooltip="play slower"),
 ]

@@ -10,6 +10,7 @@ operators' habits carry over.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -107,7 +108,23 @@ TRIGGERS = ("preemption-storm", "slo-breach", "queue-full")
 DEFAULT_MAX_REQUEST_BODY = 8 * 1024**2
 DEFAULT_READ_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 30.0
-MAX_DRAIN_TIMEOUT_S = 86400.0  # the control socket's longest drain deadline; a day: the deadline feeds Retry-After and the countdowns, so it must be a sane number
+DAY_S, WEEK_S = 86400.0, 7 * 86400.0
+# the control socket's longest drain deadline: it feeds Retry-After and the countdowns, so a sane number
+MAX_DRAIN_TIMEOUT_S = DAY_S
+
+# Every duration: (its lowest value, whether that value itself is allowed, its highest). A duration
+# reaches deadlines, Retry-After and countdowns: nan, inf and 1e309 must stop here, in one line.
+SECONDS_BOUNDS = {
+    "stats_interval": (0.0, False, 3600.0),
+    "history": (0.0, False, WEEK_S),
+    "drain_timeout": (0.0, True, DAY_S),
+    "storm_window": (0.0, False, DAY_S),
+    "slo_ttft": (0.0, False, DAY_S),
+    "slo_itl": (0.0, False, DAY_S),
+    "snapshot_cooldown": (0.0, True, WEEK_S),
+    "read_timeout": (0.0, False, DAY_S),
+    "request_timeout": (0.0, False, DAY_S),
+}
 
 
 def default_snapshot_dir() -> Path:
@@ -140,13 +157,10 @@ class ServerConfig:
     warmup: bool = True  # one full-budget step before serving (engine/warmup.py)
 
     def __post_init__(self) -> None:
+        self._check_durations()
         self.max_request_body = parse_size(self.max_request_body)
         if self.max_request_body is None or self.max_request_body < 1024:
             raise ConfigError("max_request_body must be at least 1KiB")
-        if not self.read_timeout > 0:
-            raise ConfigError("read_timeout must be positive (seconds)")
-        if not self.request_timeout > 0:
-            raise ConfigError("request_timeout must be positive (seconds)")
         if self.max_connections < 1 or (self.max_connections_per_ip or 1) < 1:
             raise ConfigError("max_connections and max_connections_per_ip must be >= 1")
         unknown = [t for t in self.snapshot_on if t not in TRIGGERS]
@@ -156,16 +170,18 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} is not in 0..65535")
         if self.max_queue < 0:
             raise ConfigError("max_queue must be >= 0")
-        if self.stats_interval <= 0:
-            raise ConfigError("stats_interval must be positive (seconds)")
         if self.history < self.stats_interval:
             raise ConfigError("history must be at least one stats interval (seconds)")
-        if self.drain_timeout < 0:
-            raise ConfigError("drain_timeout must be >= 0 (seconds)")
-        if self.storm_preemptions < 1 or self.storm_window <= 0:
-            raise ConfigError("storm_preemptions must be >= 1 and storm_window positive")
-        if self.snapshot_cooldown < 0:
-            raise ConfigError("snapshot_cooldown must be >= 0 (seconds)")
+        if self.storm_preemptions < 1:
+            raise ConfigError("storm_preemptions must be >= 1")
+
+    def _check_durations(self) -> None:
+        for name, (low, low_allowed, high) in SECONDS_BOUNDS.items():
+            value = getattr(self, name)
+            above_low = value >= low if low_allowed else value > low
+            if not (math.isfinite(value) and above_low and value <= high):  # nan fails every comparison
+                lowest = f"from {low:g}" if low_allowed else f"above {low:g}"
+                raise ConfigError(f"{name} {value:g} is not a number of seconds {lowest} to {high:g}")
 
     def connections_per_ip(self, max_num_seqs: int) -> int:
         """The open connections one client address may hold. By default enough to fill the server
