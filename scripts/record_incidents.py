@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from engine import LLMEngine, SamplingParams  # noqa: E402
 from engine.flight_recorder import FlightRecorder  # noqa: E402
 from kvtop.protocol.config import EngineConfig  # noqa: E402
+from kvtop.protocol.sizing import bytes_per_token  # noqa: E402
 from kvtop.protocol.snapshot import write_snapshot  # noqa: E402
 
 RECORD_EVERY_S = 0.1
@@ -136,13 +137,11 @@ SCENARIOS = {
 
 def build_engine(model: str, num_blocks: int, block_size: int, max_num_seqs: int) -> LLMEngine:
     """An engine whose KV cache holds exactly `num_blocks` blocks."""
-    import torch
-
-    from engine.kv.cache import bytes_per_token
-    from engine.model.loader import read_spec, resolve_model_dir
+    from engine.model.loader import resolve_model_dir
+    from engine.model.spec import read_spec
 
     spec, _ = read_spec(resolve_model_dir(model))
-    per_block = bytes_per_token(spec, "auto", torch.float32) * block_size
+    per_block = bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, "auto", "float32") * block_size
     cfg = EngineConfig(
         model=model,
         dtype="float32",

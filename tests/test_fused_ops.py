@@ -52,7 +52,9 @@ def rope_cache(head_dim: int, dtype: torch.dtype, max_positions: int = 4096) -> 
     """The model's own cos/sin tables (`CausalLM.build_rope_cache`) for a head size."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     spec = ModelSpec(
-        "llama", 16, 64, 128, 0, 1, 1, head_dim, EPS, max_positions, True, False, False, inv_freq, 1.0
+        model_type="llama", vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=0, num_heads=1,
+        num_kv_heads=1, head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        qkv_bias=False, qk_norm=False, rms_norm_eps=EPS, inv_freq=inv_freq, rope_scaling=1.0,
     )  # fmt: skip
     model = CausalLM(spec).to(dtype)
     model.build_rope_cache(max_positions)

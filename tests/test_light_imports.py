@@ -48,7 +48,9 @@ def _kvctl_without_torch(*args: str) -> subprocess.CompletedProcess:
 def test_a_command_that_runs_the_engine_says_what_to_install(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    for args in (["serve"], ["run", str(prompts)], ["plan"], ["calibrate"]):
+    gguf = tmp_path / "model.gguf"  # a .gguf's shape is read by the engine's reader
+    gguf.write_bytes(b"GGUF")
+    for args in (["serve"], ["run", str(prompts)], ["plan", str(gguf)], ["calibrate"]):
         done = _kvctl_without_torch(*args)
         assert done.returncode == 1, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
@@ -65,3 +67,17 @@ def test_the_talking_commands_work_without_torch(tmp_path):
     helped = _kvctl_without_torch("serve", "--help")
     assert helped.returncode == 0, helped.stderr
     assert "--kv-cache-memory" in helped.stdout and "--max-queue" in helped.stdout
+
+
+def test_plan_works_without_torch_and_agrees_with_the_full_install(tiny_dir):
+    """`kvctl plan` is the seed's arithmetic: a preset or a config.json needs no engine, and the figures
+    are the ones the full install prints (which tests/test_plan.py checks against a live engine)."""
+    llama = _kvctl_without_torch("plan", "llama3-8b", "--memory", "80GiB", "--json")
+    assert llama.returncode == 0, llama.stderr
+    auto = json.loads(llama.stdout)["options"][0]
+    assert auto["bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # layers × K,V × KV heads × head_dim × bf16
+    args = ("plan", str(tiny_dir / "config.json"), "--kv-cache-memory", "3MiB", "--json", "--context", "100")
+    light = _kvctl_without_torch(*args)
+    full = subprocess.run([sys.executable, "-m", "kvtop.ctl.cli", *args], capture_output=True, text=True, timeout=300)
+    assert light.returncode == 0 and full.returncode == 0, (light.stderr, full.stderr)
+    assert json.loads(light.stdout) == json.loads(full.stdout)

@@ -105,6 +105,12 @@ def test_its_kvctl_serve_says_what_to_install(light, tmp_path):
     assert 'pip install "kvtop[engine]"' in lines[0] and "kvctl serve" in lines[0]
 
 
+def test_its_kvctl_plan_answers_without_the_engine(light, tmp_path):
+    done = light.run("kvctl", "plan", "llama3-8b", "--memory", "80GiB", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "131,072" in done.stdout  # Llama-3-8B's bf16 KV: 32 layers × 2 × 8 heads × 128 × 2 bytes per token
+
+
 def test_its_kvctl_replay_opens_a_snapshot(light, tmp_path):
     term = Terminal(["replay", str(STORM)], light.env(), size=(120, 40), program=[str(light.bin / "kvctl")])
     term.read_until("Block map")

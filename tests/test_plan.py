@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from engine import LLM
-from engine.planning import plan
+from kvtop.planning import plan
 
 
 @pytest.mark.parametrize("kvd", ["auto", "fp8_e4m3", "int8"])

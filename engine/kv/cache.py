@@ -1,6 +1,6 @@
-"""KV cache sizing and allocation: one tensor for all layers' K and V, viewed per layer.
-
-bytes/token = layers × 2 × kv_heads × head_dim × bytes_per_element (+ the int8 scales).
+"""KV cache allocation: one tensor for all layers' K and V, viewed per layer, sized by
+kvtop.protocol.sizing's rule (bytes/token = layers × 2 × kv_heads × head_dim × bytes_per_element,
++ the int8 scales) — the rule `kvctl plan` and `kvctl whatif` predict with.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from engine.model.spec import ModelSpec
 from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.sizing import bytes_per_token, num_blocks_for
 
 KV_STORAGE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -29,22 +30,13 @@ class KVLayer:
         self.v_scale.fill_(max(float(v.abs().max()) * headroom / fp8_max, 1e-8))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the name the sizing rule and the configuration use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_STORAGE_DTYPES.get(kv_cache_dtype, model_dtype)
-
-
-def bytes_per_token(spec: ModelSpec, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
-    """KV bytes one token costs across all layers, K and V, scales included."""
-    elem = torch.empty((), dtype=kv_storage_dtype(kv_cache_dtype, model_dtype)).element_size()
-    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
-    if kv_cache_dtype == "int8":
-        per_token += spec.num_layers * 2 * spec.num_kv_heads * 4  # one float32 scale per token per head
-    return per_token
-
-
-def num_blocks_for(memory_bytes: int, per_token: int, block_size: int) -> int:
-    """Blocks that fit in `memory_bytes` (the one sizing rule, shared by the engine and `kvctl plan`)."""
-    return int(memory_bytes) // (per_token * block_size)
 
 
 @dataclass
@@ -106,7 +98,9 @@ class KVCache:
         model_dtype: torch.dtype,
         device: str,
     ) -> KVCache:
-        per_token = bytes_per_token(spec, kv_cache_dtype, model_dtype)
+        per_token = bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_cache_dtype, dtype_name(model_dtype)
+        )
         num_blocks = num_blocks_for(memory_bytes, per_token, block_size)
         if num_blocks < 1:
             raise ConfigError(

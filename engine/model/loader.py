@@ -12,27 +12,11 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.log import log
 from engine.model import default
 from engine.model.gguf import convert_gguf
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
-from engine.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec, read_spec, spec_from_config
-from kvtop.protocol.paths import cache_dir
-
-# re-exported: callers outside engine/model/ imported these from here before they moved
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "LoadedModel",
-    "ModelSpec",
-    "cache_dir",
-    "convert_gguf",
-    "load_model",
-    "log",
-    "read_spec",
-    "resolve_model_dir",
-    "spec_from_config",
-]
+from engine.model.spec import ModelSpec, config_fields, read_spec
 
 
 @dataclass
@@ -45,6 +29,22 @@ class LoadedModel:
     weights_bytes: int  # the model's parameters at its dtype (what `kvctl plan` counts)
     # held besides: oneDNN's copy of the AMX or bf16-panel projections for long prefill steps
     prefill_copy_bytes: int = 0
+
+
+def read_config_fields(model: str) -> dict:
+    """The HF config fields of a .gguf file, an HF directory or a name this engine fetches, without
+    loading weights (`kvctl plan` reads a shape from them; kvtop.protocol.sizing)."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    try:
+        if path.suffix == ".gguf" and path.is_file():
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            config = AutoConfig.from_pretrained(str(resolve_model_dir(model)))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read a model config from {model}: {exc}") from None
+    return config_fields(config)
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -11,27 +11,15 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from kvtop.protocol.sizing import SHAPE_CONFIG_KEYS, ModelShape, UnsupportedModelError, shape_from_config
 
 
 @dataclass
-class ModelSpec:
-    """A model's shape: layers, heads, sizes, RoPE (everything but the weights)."""
+class ModelSpec(ModelShape):
+    """A model's shape (kvtop.protocol.sizing, what planning reads too) and what running it adds:
+    the norm's epsilon and RoPE's frequencies."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
     inv_freq: torch.Tensor
     rope_scaling: float
 
@@ -51,33 +39,19 @@ def read_spec(model_dir: Path) -> tuple[ModelSpec, object]:
     return spec_from_config(config), config
 
 
+def config_fields(config) -> dict:
+    """The fields of transformers' config object that a shape is read from."""
+    names = (*SHAPE_CONFIG_KEYS, "architectures")
+    return {name: getattr(config, name, None) for name in names if getattr(config, name, None) is not None}
+
+
 def spec_from_config(config) -> ModelSpec:
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = ", ".join(getattr(config, "architectures", None) or [model_type])
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch} (model_type {model_type!r}): kvtop runs Llama-family decoders "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        shape = shape_from_config(config_fields(config))
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(str(exc)) from None
     inv_freq, scaling = _rope(config)
-    return ModelSpec(
-        model_type=model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=model_type == "qwen3",
-        inv_freq=inv_freq,
-        rope_scaling=scaling,
-    )
+    return ModelSpec(**vars(shape), rms_norm_eps=config.rms_norm_eps, inv_freq=inv_freq, rope_scaling=scaling)
 
 
 def _rope(config) -> tuple[torch.Tensor, float]:

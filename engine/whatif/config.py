@@ -1,6 +1,6 @@
 """The configuration a what-if simulates: the recorded engine's (from the trace's header) with the
 operator's overrides, and the KV budget turned into blocks by the engine's own sizing rule
-(`engine.kv.cache.bytes_per_token`, `num_blocks_for`)."""
+(kvtop.protocol.sizing: `bytes_per_token`, `num_blocks_for`)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,11 @@ from dataclasses import dataclass, replace
 
 from kvtop.protocol.config import KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULE_POLICIES, format_bytes, parse_size
 from kvtop.protocol.errors import ConfigError
+from kvtop.protocol.sizing import ELEMENT_BYTES, bytes_per_token, num_blocks_for
 
 # the knobs a what-if may change, by their EngineConfig names
 KNOBS = ("kv_cache_memory", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
          "max_model_len", "enable_prefix_caching", "schedule_policy", "preemption_mode", "cpu_offload_memory")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What KV sizing reads of a model (engine.kv.cache.bytes_per_token)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -78,13 +70,9 @@ def recorded_config(header: dict) -> SimConfig:
 
 
 def _bytes_per_token(header: dict, kv_cache_dtype: str) -> int:
-    import torch
-
-    from engine.devices import TORCH_DTYPES
-    from engine.kv.cache import bytes_per_token
-
-    shape = KVShape(int(header["num_layers"]), int(header["num_kv_heads"]), int(header["head_dim"]))
-    return bytes_per_token(shape, kv_cache_dtype, TORCH_DTYPES.get(header.get("dtype", ""), torch.float32))
+    layers, kv_heads, head_dim = int(header["num_layers"]), int(header["num_kv_heads"]), int(header["head_dim"])
+    model_dtype = header.get("dtype", "") if header.get("dtype", "") in ELEMENT_BYTES else "float32"
+    return bytes_per_token(layers, kv_heads, head_dim, kv_cache_dtype, model_dtype)
 
 
 def whatif_config(header: dict, **overrides) -> SimConfig:
@@ -104,8 +92,6 @@ def whatif_config(header: dict, **overrides) -> SimConfig:
     bpt = base.bytes_per_token
     if kvd != base.kv_cache_dtype or not bpt:
         bpt = _bytes_per_token(header, kvd)
-    from engine.kv.cache import num_blocks_for
-
     num_blocks = num_blocks_for(memory, bpt, block_size)
     if num_blocks < 1:
         raise ConfigError(

@@ -1,5 +1,5 @@
 """The one door from kvctl to the engine: the commands that run it (`serve`, `run`, `calibrate`,
-`whatif`, `plan`) load its modules here, by name, when they run.
+`whatif`; `plan` for a .gguf file's shape) load its modules here, by name, when they run.
 
 `pip install kvtop` is the light install — the dashboard and the commands that talk to an engine,
 no torch — and the engine's modules ship in it without their dependencies. A command that needs
@@ -17,7 +17,7 @@ from types import ModuleType
 from kvtop.entry import CLIError
 
 INSTALL = 'pip install "kvtop[engine]"'
-NEEDS = ("torch",)  # imported first: some engine modules import it only inside the call (planning)
+NEEDS = ("torch",)  # imported first: some engine modules import it only inside the call
 
 
 def load_engine(module: str, command: str) -> ModuleType:

@@ -1,5 +1,5 @@
-"""`kvctl plan`: the KV capacity calculator, as a table or JSON (engine/planning.py: it reads the
-model's shape with transformers and sizes the KV as the engine does, so it loads the engine)."""
+"""`kvctl plan`: the KV capacity calculator, as a table or JSON (kvtop/planning.py: the engine's own
+sizing rule, torch-free; a .gguf file's shape is read through the engine)."""
 
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import JsonFlag
+from kvtop.planning import Plan, plan
 from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes, parse_size
 
 
@@ -51,7 +51,7 @@ def plan_command(
         ) from None
     if contexts and any(c <= 0 for c in contexts):
         raise typer.BadParameter("context lengths must be positive", param_hint="--context")
-    p = load_engine("engine.planning", "plan").plan(
+    p = plan(
         model,
         dtype=dtype,
         kv_cache_memory=parse_size(kv_cache_memory),
@@ -69,7 +69,7 @@ def plan_command(
         print_plan(p)
 
 
-def print_plan(p) -> None:  # an engine.planning.Plan
+def print_plan(p: Plan) -> None:
     """The plan as a terminal reads it: the model, the budget, one row per KV dtype, the warnings."""
     out = Console()
     budget = f"{format_bytes(p.kv_memory_bytes)} for KV"

@@ -1,44 +1,30 @@
-"""Capacity planning (`kvctl plan`): the article's arithmetic for any supported model.
+"""Capacity planning (`kvctl plan`): the article's arithmetic for any supported model, torch-free
+(kvtop.protocol.sizing holds the rule the engine allocates by), so the light install plans too.
 
-KV bytes per token = layers × 2 × kv_heads × head_dim × bytes per element (+ int8 scales); what fits
-in a memory budget after the weights (of memory × gpu_memory_utilization, as vLLM); how many sequences of a given context length fit at once;
-what grouped-query attention saves against the same model with a full multi-head KV.
-Every number comes from the same functions the engine sizes its cache with.
+A model's shape comes from a preset name, an HF directory or a `config.json` — read here — or, for a
+`.gguf` file and the names the engine fetches, from the engine's own config reader (kvtop[engine]).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from engine.errors import ModelLoadError
 from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes
 from kvtop.protocol.errors import ConfigError
-
-if TYPE_CHECKING:
-    from engine.model.spec import ModelSpec
+from kvtop.protocol.sizing import (
+    ELEMENT_BYTES,
+    PRESETS,
+    ModelShape,
+    bytes_per_token,
+    num_blocks_for,
+    parameter_count,
+    shape_from_config,
+)
 
 PLAN_KV_DTYPES = KV_CACHE_DTYPES  # the engine's own: `auto` is the model's 16-bit dtype
-GPU_MEMORY_UTILIZATION = (
-    EngineConfig.gpu_memory_utilization
-)  # vLLM's default: the share of device memory the engine may take
-
-# Shapes of well-known models, so `kvctl plan llama3-8b` works without downloading anything
-# (from their published config.json files; weights are never needed to plan).
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
-PRESETS: dict[str, dict] = {
-    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8),
-    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8),
-    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       max_position_embeddings=32768, rope_theta=10000.0, sliding_window=None),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       max_position_embeddings=32768, rope_theta=1000000.0),
-}  # fmt: skip
+GPU_MEMORY_UTILIZATION = EngineConfig.gpu_memory_utilization  # vLLM's default: the share the engine may take
 
 
 class PlanError(ConfigError):
@@ -46,41 +32,21 @@ class PlanError(ConfigError):
     message says so in one line and what to change."""
 
 
-def spec_for(model: str) -> tuple[ModelSpec, str]:
-    """A ModelSpec from a known name, an HF directory, a config.json or a .gguf file — without
-    loading weights (a known name is fetched once if missing)."""
-    from transformers import AutoConfig
-
-    from engine.model.loader import resolve_model_dir
-    from engine.model.spec import spec_from_config
-
+def config_for(model: str) -> dict:
+    """The HF config fields of `model`: a preset name, an HF directory, a config.json — or, through
+    the engine (a CLIError naming what to install where it is absent), a .gguf file or a name it fetches."""
     path = Path(model).expanduser()
     if model in PRESETS and not path.exists():
-        preset = dict(PRESETS[model])
-        return spec_from_config(AutoConfig.for_model(preset.pop("model_type"), **preset)), model
-    try:
-        if path.suffix == ".gguf" and path.is_file():
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        elif path.name == "config.json" and path.is_file():
-            config = AutoConfig.from_pretrained(str(path.parent))
-        else:
-            config = AutoConfig.from_pretrained(str(resolve_model_dir(model)))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read a model config from {model}: {exc}") from None
-    return spec_from_config(config), getattr(config, "_name_or_path", "") or model
+        return PRESETS[model]
+    config_json = path / "config.json" if path.is_dir() else path
+    if config_json.suffix == ".json" and config_json.is_file():
+        try:
+            return json.loads(config_json.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read a model config from {config_json}: {exc}") from None
+    from kvtop.ctl.engine_gate import load_engine
 
-
-def parameter_count(spec: ModelSpec) -> int:
-    q = spec.num_heads * spec.head_dim
-    kv = spec.num_kv_heads * spec.head_dim
-    per_layer = spec.hidden_size * (q + 2 * kv) + q * spec.hidden_size
-    per_layer += 3 * spec.hidden_size * spec.intermediate_size + 2 * spec.hidden_size
-    if spec.qkv_bias:
-        per_layer += q + 2 * kv
-    if spec.qk_norm:
-        per_layer += 2 * spec.head_dim
-    embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    return embed + spec.num_layers * per_layer + spec.hidden_size
+    return load_engine("engine.model.loader", "plan").read_config_fields(model)
 
 
 @dataclass
@@ -150,16 +116,16 @@ def kv_budget(weights: int, kv_cache_memory: int | None, memory: int | None, uti
     return kv_cache_memory
 
 
-def _kv_option(spec, kvd: str, torch_dtype, kv_memory: int, block_size: int, contexts: list[int]) -> KVOption:
+def _kv_option(
+    shape: ModelShape, kvd: str, dtype: str, kv_memory: int, block_size: int, contexts: list[int]
+) -> KVOption:
     """One KV dtype's row: the engine's own bytes per token and block count for this budget."""
-    from engine.kv.cache import bytes_per_token, num_blocks_for
-
-    bpt = bytes_per_token(spec, kvd, torch_dtype)
+    bpt = bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kvd, dtype)
     blocks = num_blocks_for(kv_memory, bpt, block_size)
     return KVOption(
         kv_cache_dtype=kvd,
         bytes_per_token=bpt,
-        mha_bytes_per_token=bytes_per_token(replace(spec, num_kv_heads=spec.num_heads), kvd, torch_dtype),
+        mha_bytes_per_token=bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, kvd, dtype),
         num_blocks=blocks,
         capacity_tokens=blocks * block_size,
         max_seqs={c: blocks // -(-c // block_size) for c in contexts},
@@ -179,35 +145,30 @@ def plan(
     """Figures for a KV budget given directly (`kv_cache_memory`), or as what `memory` × utilization
     leaves after the weights, or both (the KV budget, checked against the memory). Raises PlanError
     where the weights or the budget do not fit."""
-    import torch
-
-    from engine.devices import TORCH_DTYPES  # the engine's own name -> dtype map
-
-    spec, _ = spec_for(model)
-    torch_dtype = TORCH_DTYPES[dtype]
-    params = parameter_count(spec)
-    weights = params * torch.empty((), dtype=torch_dtype).element_size()
+    shape = shape_from_config(config_for(model))
+    params = parameter_count(shape)
+    weights = params * ELEMENT_BYTES[dtype]
     kv_memory = kv_budget(weights, kv_cache_memory, memory, gpu_memory_utilization)
-    contexts = contexts or [spec.max_position_embeddings]
-    options = [_kv_option(spec, kvd, torch_dtype, kv_memory, block_size, contexts) for kvd in kv_dtypes]
+    contexts = contexts or [shape.max_position_embeddings]
+    options = [_kv_option(shape, kvd, dtype, kv_memory, block_size, contexts) for kvd in kv_dtypes]
     if max(o.num_blocks for o in options) == 0:
         raise PlanError(
             f"{format_bytes(kv_memory)} for KV holds not one block of {block_size} tokens "
             f"({format_bytes(options[0].bytes_per_token * block_size)} at {dtype}) — a bigger budget"
         )
     warnings = [
-        f"context {c} is beyond the model's max_position_embeddings {spec.max_position_embeddings}: "
+        f"context {c} is beyond the model's max_position_embeddings {shape.max_position_embeddings}: "
         "the model was not trained for it (the engine's default max_model_len is its max_position_embeddings)"
         for c in contexts
-        if c > spec.max_position_embeddings
+        if c > shape.max_position_embeddings
     ]
     return Plan(
         model=model,
-        model_type=spec.model_type,
-        layers=spec.num_layers,
-        heads=spec.num_heads,
-        kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        model_type=shape.model_type,
+        layers=shape.num_layers,
+        heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         parameters=params,
         dtype=dtype,
         weights_bytes=weights,
@@ -215,7 +176,7 @@ def plan(
         block_size=block_size,
         contexts=contexts,
         options=options,
-        max_position_embeddings=spec.max_position_embeddings,
+        max_position_embeddings=shape.max_position_embeddings,
         memory_bytes=memory,
         gpu_memory_utilization=gpu_memory_utilization,
         warnings=warnings,
