@@ -9,6 +9,7 @@ import pytest
 from engine.whatif.config import recorded_config, whatif_config
 from engine.whatif.figures import recorded_figures, simulated_figures
 from engine.whatif.sim import simulate
+from engine.whatif.sweep import sweep
 from engine.whatif.timing import RecordedTiming, TimingError, fit
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.snapshot import write_snapshot
@@ -103,6 +104,20 @@ def test_higher_load_compresses_arrivals(trace):
     loaded = simulated_figures(simulate(trace, recorded_config(trace.config), model, load=3.0))
     # a recording bound by its steps rather than its arrivals ends when its work does: never later
     assert loaded["duration_s"] <= base["duration_s"] + 1e-3
+
+
+def test_a_sweep_in_parallel_gives_the_figures_of_one_run_per_point(trace):
+    """A large trace's sweep runs its points in worker processes: the same rows, in the same order,
+    as simulating each point here, a point too small to hold a request included."""
+    model = fit(trace.steps)
+    memory = trace.config["kv_cache_memory"]
+    values = [1024, memory // 2, memory, 4 * memory]  # 1 KiB holds no block
+    here = sweep(trace, "kv-cache-memory", values[1:], {}, model, workers=1)
+    parallel = sweep(trace, "kv-cache-memory", values[1:], {}, model, workers=2)
+    assert parallel == here
+    assert [row["preemptions"] for row in here][-1] == 0
+    with pytest.raises(ConfigError, match="holds no block"):
+        sweep(trace, "kv-cache-memory", values, {}, model, workers=2)
 
 
 def test_a_configuration_that_holds_no_request_says_so(trace):

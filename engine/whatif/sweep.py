@@ -3,8 +3,11 @@ point, and the smallest setting that meets a latency objective."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 
@@ -61,6 +64,9 @@ def label(knob: str, value: float) -> str:
     return f"{value:g}x" if knob == "load" else f"{value:g}"
 
 
+PARALLEL_FROM = 2000  # requests: a smaller trace simulates a point in well under a second, less than a worker's start
+
+
 def sweep(
     trace: Trace,
     knob: str,
@@ -69,24 +75,42 @@ def sweep(
     timing: StepTimeModel,
     load: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
 ) -> list[dict]:
-    """The what-if figures at each value of `knob` (the other overrides held)."""
-    rows = []
-    for i, value in enumerate(values):
+    """The what-if figures at each value of `knob` (the other overrides held). A large trace's points
+    run in parallel, one process per core (`workers`: how many; 1 runs them here, in turn)."""
+    points = []
+    for value in values:
         changes, point_load = dict(overrides), load
         if knob == "load":
             point_load = value
         else:
             changes[knob.replace("-", "_")] = int(value)
-        config = whatif_config(trace.config, **changes)
-        try:
-            figures = simulated_figures(simulate(trace, config, timing, load=point_load))
-        except ConfigError as exc:  # a point too small to hold one request
-            figures = {"error": str(exc)}
-        rows.append({"value": value, "label": label(knob, value), **figures})
-        if progress is not None:
-            progress(i + 1, len(values))
-    return rows
+        points.append((whatif_config(trace.config, **changes), point_load))
+    if workers is None:
+        workers = min(len(points), os.cpu_count() or 1) if len(trace.requests) >= PARALLEL_FROM else 1
+    figures: list[dict | None] = [None] * len(points)
+    if workers <= 1:
+        for i, (config, point_load) in enumerate(points):
+            figures[i] = _figures_at(trace, config, timing, point_load)
+            if progress is not None:
+                progress(i + 1, len(points))
+    else:  # spawned, not forked: the parent may hold threads (the progress bar's) and torch's state
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_figures_at, trace, c, timing, pl): i for i, (c, pl) in enumerate(points)}
+            for done, future in enumerate(as_completed(futures), 1):
+                figures[futures[future]] = future.result()
+                if progress is not None:
+                    progress(done, len(points))
+    return [{"value": v, "label": label(knob, v), **f} for v, f in zip(values, figures, strict=True)]
+
+
+def _figures_at(trace: Trace, config, timing: StepTimeModel, load: float) -> dict:
+    """One point's figures, or its error (a point too small to hold one request)."""
+    try:
+        return simulated_figures(simulate(trace, config, timing, load=load))
+    except ConfigError as exc:
+        return {"error": str(exc)}
 
 
 def meets(row: dict, slo: dict[str, float]) -> bool:
