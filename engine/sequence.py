@@ -38,7 +38,7 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in running` and remove() compare identity, not 25 fields
 class Sequence:
     seq_id: str
     prompt_token_ids: list[int]
