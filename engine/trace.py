@@ -1,11 +1,5 @@
-"""The request trace and the step shapes: what the engine saw of its workload, never its text.
-
-`RequestRecord`: one request's arrival, prompt length, sampling limits, output length, finish
-reason, first-token and finish times, preemptions, and the chain of prefix-block hashes the prefix
-cache keys on — salted per engine, so equal blocks within one recording stay equal (shared
-prefixes survive) but nobody can confirm a guessed prompt by hashing it. `StepRecord`: one step's
-shape (prefill tokens, decode sequences, context tokens attended), its wall times, and what the
-scheduler decided (admissions with their prefix hits, preemptions, the peak blocks held).
+"""The engine's side of the request trace: it fills the records (what it saw of its workload,
+never its text) and the step shapes.
 
 The records, their hashes and their snapshot rows are the protocol's (kvtop/protocol/trace.py:
 `kvctl bench` reads and writes traces without the engine). `TraceRecorder` keeps both in bounded
