@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvtop.protocol.snapshot import check_target
+from kvtop.sources import fetch
 from kvtop.sources.recorder import Recording, source_meta
 from kvtop.urls import checked_url
 
@@ -80,12 +81,14 @@ class _Progress:
 def _stop_on_signals(rec: Recording) -> None:
     """Ctrl-C and SIGTERM stop the recording and keep it, even where the shell that started kvctl
     in the background left SIGINT ignored (a non-interactive shell does that to `cmd &`). The handler
-    only sets the recording's flag: a KeyboardInterrupt raised from it could land in a finalizer,
-    where Python drops it (seen once in CI: a SIGINT'd recording went on for 30 s). A scrape under way
-    still ends first (--scrape-timeout at most)."""
+    sets the recording's flag and ends the scrape under way (its page is not kept): never a
+    KeyboardInterrupt, which could land in a finalizer, where Python drops it (seen in CI: a SIGINT'd
+    recording went on for 30 s; a Ctrl-C before the first page was lost the same way, and the
+    scrape went on waiting for its --scrape-timeout)."""
 
     def stop(signum, frame) -> None:
         rec.stop()
+        fetch.cancel_in_flight()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -135,18 +138,17 @@ def record_command(
         _fail(str(exc))
     rec = Recording(source, interval=every, duration=seconds or None)
     progress = _Progress()
+    _stop_on_signals(rec)
     try:
         rec.first()
     except SourceUnavailable as exc:
         source.close()
+        if rec.stopped:  # Ctrl-C while a slow engine had not answered yet: 130, as a shell reports it
+            _fail(f"stopped before {source.url} answered: nothing recorded, nothing written", code=130)
         _fail(f"cannot read {source.url}: {exc}")
-    except KeyboardInterrupt:  # Ctrl-C while a slow engine had not answered yet: 130, as a shell reports it
-        source.close()
-        _fail(f"stopped before {source.url} answered: nothing recorded, nothing written", code=130)
     until = f"for {seconds:g} s" if seconds else "until Ctrl-C"
     print(f"recording {source.url} {until}, every {every:g} s, into {output} (Ctrl-C stops and keeps what was recorded)",
           file=sys.stderr, flush=True)  # fmt: skip
-    _stop_on_signals(rec)
     try:
         rec.run(progress)
     finally:

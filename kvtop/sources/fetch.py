@@ -57,14 +57,26 @@ def client(timeout: float) -> httpx.Client:
     )
 
 
+_IN_FLIGHT: set[_Deadline] = set()  # the exchanges under way, for cancel_in_flight
+
+
+def cancel_in_flight() -> None:
+    """End every exchange under way now, as its deadline would: for a Ctrl-C handler (`kvctl
+    record`), which must not wait an hour for a page. It only shuts sockets, so it is safe wherever
+    the signal lands (a finalizer included)."""
+    for deadline in tuple(_IN_FLIGHT):
+        deadline.expire()
+
+
 class _Deadline:
-    """Shuts the request's socket down when the time is up (from a timer thread)."""
+    """Shuts the request's socket down when the time is up (from a timer thread), or when
+    cancel_in_flight says so."""
 
     def __init__(self, seconds: float) -> None:
         self.expired = False
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
+        self._lock = threading.RLock()  # cancel_in_flight may run in this thread, inside trace()
+        self._timer = threading.Timer(seconds, self.expire)
         self._timer.daemon = True
 
     def trace(self, event: str, info: dict) -> None:
@@ -77,18 +89,20 @@ class _Deadline:
                 if self.expired:  # connected just as the time ran out
                     _shut(sock)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         with self._lock:
             self.expired = True
             if self._sock is not None:
                 _shut(self._sock)
 
     def __enter__(self) -> _Deadline:
+        _IN_FLIGHT.add(self)
         self._timer.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
+        _IN_FLIGHT.discard(self)
 
 
 def _shut(sock: socket.socket) -> None:
