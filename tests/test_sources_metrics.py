@@ -50,7 +50,7 @@ def test_vllm_fills_what_it_serves_and_leaves_the_rest_absent():
     assert frame["scheduler"] == {"running": 3, "waiting": 1, "preemptions_total": 0}
     kv = frame["kv"]
     assert kv["usage"] == pytest.approx(0.21875)
-    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (16, 2048, "auto")  # from cache_config_info
+    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (16, 2047, "auto")  # 2048 less the null block
     for absent in ("blocks", "used", "free", "cached", "bytes_per_token"):
         assert absent not in kv, absent  # vLLM does not say; never a made-up 0
     assert "sequences" not in frame and "memory" not in frame
@@ -81,7 +81,7 @@ def test_last_minute_percentiles_come_from_bucket_deltas():
 def test_rates_come_from_counter_deltas():
     frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
     assert frame["throughput"] == pytest.approx(
-        {"prompt_tokens_per_s": 1024.0, "generation_tokens_per_s": 512.0, "requests_per_s": 5.2}
+        {"prompt_tokens_per_s": 1024.0, "generation_tokens_per_s": 512.0, "requests_per_s": 5.2, "window_s": 5.0}
     )
     assert frame["scheduler"]["preemptions_total"] == 7
     assert frame["prefix"]["hit_rate"] == pytest.approx(5120 / 9216)
@@ -169,10 +169,13 @@ def test_each_table_names_its_own_prefix_only():
 def test_a_real_vllm_recording_under_load():
     """/metrics of vLLM 0.32.0 (CPU build) on SmolLM2-135M, recorded idle, after 12 requests, then under 8 at once."""
     frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom")
-    assert frame["engine"] == {"kind": "vllm", "model": "smollm2-135m", "state": "running"}
-    assert frame["scheduler"] == {"running": 8, "waiting": 0, "preemptions_total": 0}
+    engine = {"kind": "vllm", "model": "smollm2-135m", "state": "running", "start_time": pytest.approx(1796114007.68)}
+    assert frame["engine"] == engine  # start_time: its process_start_time_seconds
+    assert frame["scheduler"] == {"running": 8, "waiting": 0, "waiting_for_capacity": 0, "preemptions_total": 0}
     assert frame["kv"]["usage"] == pytest.approx(0.024793388429752095)
-    assert (frame["kv"]["block_size"], frame["kv"]["num_blocks"], frame["kv"]["dtype"]) == (128, 364, "auto")
+    kv = frame["kv"]
+    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (128, 363, "auto")  # 364 less the null block
+    assert kv["usage"] * 363 == pytest.approx(9)  # vLLM's usage is a share of those 363: 9 blocks held
     assert frame["prefix"] == {"query_tokens": 2194, "hit_tokens": 896, "hit_rate": pytest.approx(896 / 2194)}
     ttft = frame["latency"]["ttft"]
     assert ttft["count"] == 20 and ttft["window"]["count"] == 8  # 8 first tokens between the two scrapes

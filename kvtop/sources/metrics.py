@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import httpx
 
+from kvtop.rates import RATE_WINDOW_S, SAME_RUN_S, increase
 from kvtop.sources import fetch
 from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable, last_seconds
 from kvtop.sources.mappings import Mapping, by_kind, detect
@@ -27,7 +28,6 @@ from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import MAX_BYTES, MAX_VALUE, NotMetrics, Scrape, delta, histogram_quantile, parse
 
 WINDOW_S = 60.0  # latency percentiles over the last minute
-RATE_S = 10.0  # throughput over the last seconds
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 DEADLINE_S = 10.0  # for a whole page, whatever the per-read timeout: a byte a second never trips that
 FRACTIONS = ("kv.usage", "kv.peak_usage", "prefix.hit_rate")  # frame fields that are at most 1
@@ -79,21 +79,33 @@ def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
 
 
 def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
-    then = next((s for s in earlier if s.ts >= scrape.ts - RATE_S), None)
-    if then is None or scrape.ts <= then.ts:
+    """Throughput over the scrapes of the engine's run in the last RATE_WINDOW_S seconds, as
+    Prometheus' `rate()` (kvtop/rates.py): `window_s` says over how long."""
+    start = _start(m, scrape)
+    window = [scrape]
+    for s in reversed(earlier):  # newest first
+        if s.ts < scrape.ts - RATE_WINDOW_S or s.ts >= window[-1].ts:
+            break
+        if start is not None and (then := _start(m, s)) is not None and abs(then - start) >= SAME_RUN_S:
+            break  # an earlier run: its counters are not this one's
+        window.append(s)
+    window.reverse()
+    seconds = scrape.ts - window[0].ts
+    if seconds <= 0:
         return {}
-    out = {}
+    out: dict = {}
     for key, names in m.rates.items():
-        now, before = scrape.first(names), then.first(names)
-        if now is not None and before is not None:
-            out[key] = increase(now, before) / (scrape.ts - then.ts)
+        values = [s.first(names) for s in window]
+        if all(v is not None for v in values):
+            out[key] = increase(values) / seconds  # type: ignore[arg-type]
+    if out:
+        out["window_s"] = seconds
     return out
 
 
-def increase(now: float, before: float) -> float:
-    """A counter's increase between two readings; one that went back was reset (a restart) and
-    counts from 0, as Prometheus' `rate()` reads it."""
-    return now - before if now >= before else now
+def _start(m: Mapping, scrape: Scrape) -> float | None:
+    """When the engine's process started, where its page says (the same value: the same run)."""
+    return scrape.first((m.start_time,)) if m.start_time else None
 
 
 def _unusable_histograms(m: Mapping, scrape: Scrape) -> list[str]:
@@ -105,10 +117,13 @@ def _unusable_histograms(m: Mapping, scrape: Scrape) -> list[str]:
 def _cache_config(m: Mapping, scrape: Scrape, frame: dict) -> None:
     """vLLM's `cache_config_info` labels: block size, blocks, KV dtype (a count that is not one is absent)."""
     labels = (scrape.series.get(m.info) or [({}, 0.0)])[0][0] if m.info else {}
-    for label, key, least in (("block_size", "block_size", 1), ("num_gpu_blocks", "num_blocks", 0)):
+    for label, key, least, less in (
+        ("block_size", "block_size", 1, 0),
+        ("num_gpu_blocks", "num_blocks", 0, m.reserved_blocks),
+    ):
         count = _label_count(labels.get(label))
-        if count is not None and count >= least and key not in frame["kv"]:
-            frame["kv"][key] = count
+        if count is not None and count >= least + less and key not in frame["kv"]:
+            frame["kv"][key] = count - less  # the blocks requests get: the usage is a share of these
     if labels.get("cache_dtype") not in (None, "", "None") and "dtype" not in frame["kv"]:
         frame["kv"]["dtype"] = labels["cache_dtype"]
 
@@ -141,6 +156,10 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
             _set(frame, path, value)
         elif value is not None and value.is_integer():  # a count of 2.5 requests is not one
             _set(frame, path, int(value))
+    if (start := _start(m, scrape)) is not None:
+        frame["engine"]["start_time"] = start
+    for path, (name, label, wanted) in m.selected.items():
+        _set_selected(frame, path, scrape, name, label, wanted)
     _cache_config(m, scrape, frame)
     if m.kind == "kvtop":
         _kvtop_extras(scrape, frame)
@@ -159,6 +178,14 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
             f"{m.label}'s latency histograms {', '.join(bad)} hold values kvtop cannot use (NaN, ±Inf, not a count)"
         )
     return frame
+
+
+def _set_selected(frame: dict, path: str, scrape: Scrape, name: str, label: str, wanted: str) -> None:
+    """The count of `name`'s series whose `label` is `wanted` (summed over the other labels), where served."""
+    found = [v for labels, v in scrape.series.get(name, []) if labels.get(label) == wanted]
+    total = sum(found)
+    if found and 0 <= total < MAX_VALUE and total.is_integer():
+        _set(frame, path, int(total))
 
 
 def _kvtop_extras(scrape: Scrape, frame: dict) -> None:
@@ -235,7 +262,7 @@ class MetricsSource(FrameSource):
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
             add_slots(frame, slots)
             self._scrapes.append(scrape)
-            while self._scrapes and self._scrapes[0].ts < scrape.ts - WINDOW_S - 5:
+            while self._scrapes and self._scrapes[0].ts < scrape.ts - max(WINDOW_S, RATE_WINDOW_S) - 5:
                 self._scrapes.popleft()
             self._frames.append(frame)
             while self._frames and self._frames[0]["ts"] < scrape.ts - HISTORY_S:
