@@ -13,8 +13,12 @@ installs it first and its absence is a failure. vLLM takes about a minute to sta
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +199,51 @@ async def test_a_preempting_vllm_is_kv_bound_and_preempt_per_s_is_its_counters_r
         assert re.search(r"throughput .* \(over \d+ s\)", r.stdout), r.stdout  # not a one-second rate
     finally:
         load.close()
+
+
+GRAFANA = Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json"
+
+
+def grafana_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query of docs/grafana-dashboard.json, its variables set as
+    Grafana would for this server: the dashboard's default prefix, the model, a one-minute rate."""
+    dashboard = json.loads(GRAFANA.read_text())
+    prefix = next(v for v in dashboard["templating"]["list"] if v["name"] == "prefix")["current"]["value"]
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("${prefix}", prefix).replace("$model_name", "smollm2-135m")
+            out.append((panel["title"], expr.replace("$__rate_interval", "1m")))
+    return out
+
+
+def test_every_grafana_query_returns_data_from_a_real_prometheus_scraping_vllm(vllm_url, tmp_path):
+    """Each query of the Grafana dashboard, asked of a real Prometheus that scrapes this vLLM
+    every second under a load, answers a number for this server's instance (one series per
+    instance: several servers are several lines)."""
+    from tests.prometheus_server import PROMETHEUS, prometheus, query
+
+    if PROMETHEUS is None:
+        pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)")
+    queries = grafana_queries()
+    assert len(queries) >= 20 and not any("time_per_output_token_seconds_bucket" in q and "request_" not in q
+                                          for _, q in queries)  # fmt: skip
+    instance = vllm_url.removeprefix("http://")
+    load = Load(vllm_url)
+    try:
+        with prometheus({"vllm": f"{vllm_url}/metrics"}, tmp_path) as prom:
+            missing = queries
+            deadline = time.monotonic() + 300
+            while missing and time.monotonic() < deadline:  # until each has seen requests finish in its minute
+                missing = [(title, q) for title, q in missing if not _answers(query(prom, q), instance)]
+                time.sleep(1)
+            assert not missing, f"no data for: {missing}"
+            (series,) = query(prom, 'count by (model_name) (vllm:num_requests_running{model_name="smollm2-135m"})')
+            assert series["metric"]["model_name"] == "smollm2-135m"  # the dashboard's model variable
+    finally:
+        load.close()
+
+
+def _answers(result: list[dict], instance: str) -> bool:
+    """A finite number for `instance` in an instant query's result."""
+    return any(s["metric"].get("instance") == instance and math.isfinite(float(s["value"][1])) for s in result)
