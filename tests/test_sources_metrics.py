@@ -294,3 +294,23 @@ def test_kvctl_status_url_refuses_a_page_that_is_not_metrics(server):
     r = kvctl("status", "--url", f"{server.url}/v1/models", timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "cannot read" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_nothing_looked_up_is_no_hit_rate_not_0_percent():
+    """An idle engine (vLLM just started; ours, which serves its hit-rate gauge as 0) has no prefix
+    hit rate: the prefix panel, the fleet and `kvctl status --url` show –, not 0.0 %."""
+    from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
+    from kvtop.dashboard.widgets.view import View
+    from kvtop.fleet.poller import row_of
+
+    idle_vllm = frame_of("vllm_real_t0.prom")
+    assert idle_vllm["prefix"] == {"query_tokens": 0, "hit_tokens": 0}
+    ours = "\n".join(["# TYPE kvtop_prefix_cache_hit_rate gauge", "kvtop_prefix_cache_hit_rate 0.0",
+                      "# TYPE kvtop_prefix_cache_queries counter", "kvtop_prefix_cache_queries_total 0.0",
+                      "# TYPE kvtop_prefix_cache_hits counter", "kvtop_prefix_cache_hits_total 0.0"]) + "\n"  # fmt: skip
+    idle_ours = build_frame(by_kind("kvtop"), parse(ours, 100.0), [], "u")
+    assert "hit_rate" not in idle_ours["prefix"]
+    for frame in (idle_vllm, idle_ours):
+        drawn = PrefixPanel().draw(View(frame, [frame], []), 80, 10).plain
+        assert drawn.splitlines()[0].split()[:3] == ["hit", "rate", "–"], drawn
+        assert row_of("u", frame, [frame]).prefix_hit_rate is None

@@ -109,9 +109,10 @@ def _load_rows(t: Table, frame: dict) -> None:
         f"{sched['running']} running, {sched['waiting']} waiting, {sched['swapped']} swapped (max {sched['max_num_seqs']})"
         f" · {sched['active_tokens']} active tokens · {sched['preemptions_total']} preemptions{queue}",
     )
+    rate = f"{prefix['hit_rate'] * 100:.1f} %" if prefix["query_tokens"] else "-"  # nothing looked up: no rate
     t.add_row(
         "prefix",
-        f"{prefix['hit_rate'] * 100:.1f} % of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
+        f"{rate} of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
         f" · saved ≈{prefix['saved_prefill_s']:.2f} s of prefill",
     )
     _latency_rows(t, frame["latency"])

@@ -36,13 +36,13 @@ def _any(names: tuple[str, ...], agg: str) -> str:
 def queries(m: Mapping) -> dict[str, str]:
     """Row field -> PromQL giving it for every instance of engine kind `m` (absent fields: no query)."""
     q = {"model": f'count by (instance, model_name) ({{__name__=~"{m.prefix}.+"}})'}
-    for field, path, agg in (("kv_usage", "kv.usage", "max"), ("running", "scheduler.running", "sum"),
-                             ("waiting", "scheduler.waiting", "sum"), ("prefix_hit_rate", "prefix.hit_rate", "max")):  # fmt: skip
-        if path in m.gauges:
-            q[field] = _any(m.gauges[path], agg)
-    if "prefix_hit_rate" not in q and {"prefix.hit_tokens", "prefix.query_tokens"} <= m.counters.keys():
+    if {"prefix.hit_tokens", "prefix.query_tokens"} <= m.counters.keys():  # 0 / 0 (nothing looked up) is NaN: no rate
         hits, asked = m.counters["prefix.hit_tokens"], m.counters["prefix.query_tokens"]
         q["prefix_hit_rate"] = f"({_any(hits, 'sum')}) / ({_any(asked, 'sum')})"
+    for field, path, agg in (("kv_usage", "kv.usage", "max"), ("running", "scheduler.running", "sum"),
+                             ("waiting", "scheduler.waiting", "sum"), ("prefix_hit_rate", "prefix.hit_rate", "max")):  # fmt: skip
+        if path in m.gauges and field not in q:  # an engine's own hit-rate gauge only where it serves no counts
+            q[field] = _any(m.gauges[path], agg)
     if "scheduler.preemptions_total" in m.counters:
         names = tuple(f"rate({n}[{RATE}])" for n in m.counters["scheduler.preemptions_total"])
         q["preemptions_per_s"] = _any(names, "sum")

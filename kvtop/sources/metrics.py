@@ -165,7 +165,9 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
         _kvtop_extras(scrape, frame)
     prefix = frame["prefix"]
     hits, asked = prefix.get("hit_tokens"), prefix.get("query_tokens")
-    if "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
+    if asked == 0:  # nothing looked up yet: no hit rate (ours serves its gauge as 0), never 0 %
+        prefix.pop("hit_rate", None)
+    elif "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
         prefix["hit_rate"] = hits / asked
     frame["latency"] = _latency(m, scrape, earlier)
     frame["throughput"] = _rates(m, scrape, earlier)
