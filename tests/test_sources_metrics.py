@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtop.sources.mappings import all_mappings, by_kind, detect
-from kvtop.sources.metrics import build_frame, metrics_url
+from kvtop.sources.metrics import MIN_WINDOW_S, build_frame, metrics_url
 from kvtop.sources.prometheus import NotMetrics, histogram_quantile, parse
 from tests.helpers import PageHandler
 
@@ -68,11 +68,12 @@ def test_vllm_ttft_percentiles_match_histogram_quantile():
 
 
 def test_last_minute_percentiles_come_from_bucket_deltas():
-    frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
+    assert "window" not in frame_of("vllm_t0.prom", "vllm_t1.prom")["latency"]["ttft"]  # 5 s: too few to hold
+    frame = frame_of("vllm_t0.prom", "vllm_t1.prom", step=MIN_WINDOW_S)
     ttft = frame["latency"]["ttft"]
     win = ttft["window"]
     # between the scrapes: 20 more at 0.9 s and 6 at 3 s; the 16 fast ones before do not count
-    assert win["count"] == 26 and win["seconds"] == 5.0
+    assert win["count"] == 26 and win["seconds"] == MIN_WINDOW_S
     assert win["p50"] == pytest.approx(0.75 + 0.25 * 13 / 20)
     assert win["p99"] == pytest.approx(2.5 + 2.5 * (25.74 - 20) / 6)
     assert ttft["p50"] < win["p50"]  # the all-time figure hides the slowdown the window shows
@@ -168,7 +169,7 @@ def test_each_table_names_its_own_prefix_only():
 
 def test_a_real_vllm_recording_under_load():
     """/metrics of vLLM 0.32.0 (CPU build) on SmolLM2-135M, recorded idle, after 12 requests, then under 8 at once."""
-    frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom")
+    frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom", step=MIN_WINDOW_S)
     engine = {"kind": "vllm", "model": "smollm2-135m", "state": "running", "start_time": pytest.approx(1796114007.68)}
     assert frame["engine"] == engine  # start_time: its process_start_time_seconds
     assert frame["scheduler"] == {"running": 8, "waiting": 0, "waiting_for_capacity": 0, "preemptions_total": 0}
@@ -314,3 +315,13 @@ def test_nothing_looked_up_is_no_hit_rate_not_0_percent():
         drawn = PrefixPanel().draw(View(frame, [frame], []), 80, 10).plain
         assert drawn.splitlines()[0].split()[:3] == ["hit", "rate", "–"], drawn
         assert row_of("u", frame, [frame]).prefix_hit_rate is None
+
+
+def test_an_engine_started_within_the_minute_has_its_whole_histogram_as_the_window():
+    """vLLM says when it started: within the last minute, all it observed is the window's."""
+    page = (FIXTURES / "vllm_real_t2.prom").read_text()
+    start = float(next(ln.split()[1] for ln in page.splitlines() if ln.startswith("process_start_time_seconds")))
+    frame = build_frame(by_kind("vllm"), parse(page, start + 30), [], "u")
+    ttft = frame["latency"]["ttft"]
+    assert ttft["window"]["seconds"] == pytest.approx(30) and ttft["window"]["count"] == ttft["count"]
+    assert ttft["window"]["p99"] == ttft["p99"]

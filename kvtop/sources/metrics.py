@@ -28,6 +28,7 @@ from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import MAX_BYTES, MAX_VALUE, NotMetrics, Scrape, delta, histogram_quantile, parse
 
 WINDOW_S = 60.0  # latency percentiles over the last minute
+MIN_WINDOW_S = 20.0  # …once the scrapes span this much of it
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 DEADLINE_S = 10.0  # for a whole page, whatever the per-read timeout: a byte a second never trips that
 FRACTIONS = ("kv.usage", "kv.peak_usage", "prefix.hit_rate")  # frame fields that are at most 1
@@ -69,13 +70,27 @@ def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
         h.update({p: histogram_quantile(q, buckets) for p, q in QUANTILES})
         h["buckets"] = [le for le, _ in buckets[:-1]]
         h["counts"] = [int(c - b) for (_, c), (_, b) in zip(buckets, [(0, 0.0), *buckets[:-1]], strict=True)]
-        then = next((s for s in earlier if s.ts >= scrape.ts - WINDOW_S and name in s.buckets), None)
-        if then is not None:
-            win = delta(buckets, then.buckets[name])
-            h["window"] = {"seconds": scrape.ts - then.ts, "count": int(win[-1][1])}
+        if window := _window(m, name, scrape, earlier):
+            win, seconds = window
+            h["window"] = {"seconds": seconds, "count": int(win[-1][1])}
             h["window"].update({p: histogram_quantile(q, win) for p, q in QUANTILES})
         out[key] = h
     return out
+
+
+def _window(m: Mapping, name: str, scrape: Scrape, earlier: list[Scrape]) -> tuple[list, float] | None:
+    """The histogram's buckets over the last minute, and the seconds they span: the difference
+    from the oldest scrape in the minute, once that is MIN_WINDOW_S back (over fewer seconds a P99
+    jumps from round to round: none is given rather than one that will not hold); or everything
+    since the engine started, where it started within the minute (then that is the window)."""
+    buckets = scrape.buckets[name]
+    start = _start(m, scrape)
+    if start is not None and scrape.ts - WINDOW_S <= start <= scrape.ts:
+        return buckets, scrape.ts - start
+    then = next((s for s in earlier if s.ts >= scrape.ts - WINDOW_S and name in s.buckets), None)
+    if then is None or scrape.ts - then.ts < MIN_WINDOW_S:
+        return None
+    return delta(buckets, then.buckets[name]), scrape.ts - then.ts
 
 
 def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
