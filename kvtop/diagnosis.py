@@ -32,6 +32,7 @@ from kvtop.sources.prometheus import number
 
 THRASH_HIT_RATE = 0.1  # prefix hits below this share of looked-up tokens…
 THRASH_EVICTIONS_PER_S = 1.0  # …while this many cached blocks a second are reallocated: a thrash
+THRASH_WINDOW_S = 5.0  # …over the last this many seconds: a thrash is now, and 30 s would blend in the warm cache
 KV_FULL = 0.9  # a KV usage (fraction) at or above this, with requests waiting: KV-bound
 KV_SPARE = 0.6  # a usage that stayed under this over the window, with requests waiting: not KV
 
@@ -177,9 +178,9 @@ def _queue_full(window: list[dict]) -> str:
 
 
 def _thrash(window: list[dict]) -> str:
-    looked = window_increase(window, "prefix.query_tokens", RATE_WINDOW_S)
-    hits = window_increase(window, "prefix.hit_tokens", RATE_WINDOW_S)
-    evicted = window_increase(window, "prefix.evictions", RATE_WINDOW_S)
+    looked = window_increase(window, "prefix.query_tokens", THRASH_WINDOW_S)
+    hits = window_increase(window, "prefix.hit_tokens", THRASH_WINDOW_S)
+    evicted = window_increase(window, "prefix.evictions", THRASH_WINDOW_S)
     if not (looked and hits and evicted) or looked.increase <= 0:
         return ""
     hit_rate, per_s = hits.increase / looked.increase, evicted.per_s
