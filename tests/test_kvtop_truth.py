@@ -450,3 +450,40 @@ async def test_killed_engine_replaces_the_state_and_a_restart_is_an_event(engine
         assert not dashboard.has_class("-stale")
         restart = next(e for e in app.source.events() if e["kind"] == "engine_restarted")
         assert "the last one was up" in restart["detail"]
+
+
+# ---- events derived from another engine's counters (kvtop/derived.py) ----------------------------
+def test_derived_events_from_counter_jumps_and_crossings_are_labelled_derived():
+    from kvtop.derived import derive
+
+    f = vllm_frame(kv={"usage": 0.5}, scheduler={"waiting": 0, "preemptions_total": 1})
+    g = vllm_frame(ts=1002.0, kv={"usage": 0.95}, scheduler={"waiting": 6, "preemptions_total": 5})
+    events = derive(f, g)
+    assert [e["kind"] for e in events] == ["preempted", "kv_full", "queue_grew"]
+    assert all(e["derived"] and e["detail"].startswith("derived: ") and e["ts"] == 1002.0 for e in events)
+    assert events[0]["detail"] == "derived: 4 preempted (the preemption counter 1 → 5)"
+    assert derive(g, vllm_frame(ts=1004.0, kv={"usage": 0.97}, scheduler={"waiting": 6, "preemptions_total": 5})) == []
+    restarted = vllm_frame(ts=1004.0, engine={"start_time": 1003.0}, scheduler={"preemptions_total": 9})
+    assert derive(g, restarted) == []  # another run: its counters began again
+
+
+@pytest.mark.anyio
+async def test_a_vllm_recording_replays_with_derived_markers_on_the_timeline(tmp_path):
+    """A recording of vLLM's /metrics has no event log: the preemptions and the KV filling up are
+    derived from its frames, marked on the timeline and listed in the events panel as derived."""
+    from kvtop.dashboard.widgets.timeline import Timeline
+    from kvtop.protocol.snapshot import write_snapshot
+    from kvtop.sources import ReplaySource
+
+    frames = [vllm_frame(ts=1000.0 + i, kv={"usage": 0.5 if i < 20 else 0.95},
+                         scheduler={"waiting": 0, "preemptions_total": 1 if i < 30 else 4}) for i in range(40)]  # fmt: skip
+    path = write_snapshot(tmp_path / "vllm.kvsnap", model="m", config={}, reason="recorded", frames=frames, events=[])
+    source = ReplaySource.open(path)
+    assert [e["kind"] for e in source.marked_events] == ["kv_full", "preempted"]
+    app = KvtopApp(source)
+    async with app.run_test(size=(160, 48)) as pilot:
+        marks = lambda: text(app.query_one(Timeline)).splitlines()[-1]  # noqa: E731
+        await until(pilot, lambda: "k" in marks() and "p" in marks(), "the derived marks")
+        assert marks().index("k") < marks().index("p")  # the KV filled before the preemptions
+        await pilot.press("G")
+        await until(pilot, lambda: "derived: 3 preempted" in text(app.query_one(EventsPanel)), "the derived event")

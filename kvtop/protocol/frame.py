@@ -229,6 +229,9 @@ class Event(TypedDict):
     kind: Annotated[str, Schema(minLength=1)]
     seq_id: str | None
     detail: str
+    derived: NotRequired[
+        Annotated[bool, Schema(description="kvtop's, from the engine's counters and gauges (kvtop/derived.py).")]
+    ]
 
 
 class ServerInfo(TypedDict, total=False):

@@ -20,9 +20,11 @@ from collections.abc import Callable
 
 import httpx
 
+from kvtop.derived import derive
+from kvtop.protocol.frame import FRAME_EVENTS
 from kvtop.rates import RATE_WINDOW_S, SAME_RUN_S, increase
 from kvtop.sources import fetch
-from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable, last_seconds
+from kvtop.sources.base import EVENTS_KEPT, HISTORY_S, FrameSource, SourceUnavailable, last_seconds
 from kvtop.sources.mappings import Mapping, by_kind, detect
 from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import MAX_BYTES, MAX_VALUE, NotMetrics, Scrape, delta, histogram_quantile, parse
@@ -241,6 +243,7 @@ class MetricsSource(FrameSource):
         self._clock = clock
         self._scrapes: deque[Scrape] = deque()
         self._frames: deque[dict] = deque()
+        self._events: list[dict] = []  # derived from the frames, oldest first
         self.failure: str | None = None  # the last poll's: "unreachable", "not metrics" or "slow"
         self._client = fetch.client(timeout)
         self._lock = threading.Lock()
@@ -278,6 +281,10 @@ class MetricsSource(FrameSource):
         with self._lock:
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
             add_slots(frame, slots)
+            if self._frames:  # the engine logs nothing kvtop can read: its counters' jumps, as events
+                self._events.extend(derive(self._frames[-1], frame))
+                del self._events[:-EVENTS_KEPT]
+            frame["events"] = self._events[-FRAME_EVENTS:]
             self._scrapes.append(scrape)
             while self._scrapes and self._scrapes[0].ts < scrape.ts - max(WINDOW_S, RATE_WINDOW_S) - 5:
                 self._scrapes.popleft()
@@ -292,7 +299,9 @@ class MetricsSource(FrameSource):
             return last_seconds(self._frames, seconds)
 
     def events(self) -> list[dict]:
-        return []  # Prometheus carries counts, not events
+        """Prometheus carries counts, not events: those derived from them (kvtop/derived.py)."""
+        with self._lock:
+            return list(self._events)
 
     def next_delay(self) -> float:
         return min(2.0, self.interval) if self.disconnected_since is not None else self.interval
