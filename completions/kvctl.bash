@@ -231,9 +231,10 @@ _kvctl_complete() {
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
                 --url) COMPREPLY=(); return 0 ;;
                 --engine) COMPREPLY=(); return 0 ;;
+                --window) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--socket --json --url --engine --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--socket --json --url --engine --window --help" -- "$cur") )
             fi
             ;;
         whatif)

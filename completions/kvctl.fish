@@ -182,6 +182,7 @@ complete -c kvctl -n '__fish_seen_subcommand_from status' -l socket -r -F -d 'Co
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l json -d 'Print the whole stats frame as JSON.'
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l url -x -d 'Read any engines Prometheus /metrics instead vLLM, SGLang, llama.cpp, kvtop.'
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l engine -x -d 'With --url, vllm, sglang, llamacpp or kvtop default, detected.'
+complete -c kvctl -n '__fish_seen_subcommand_from status' -l window -x -d 'With --url, scrape once a second for this many seconds 1-60 rates and findings a'
 complete -c kvctl -n '__fish_seen_subcommand_from status' -l help -d 'Show help and exit.'
 complete -c kvctl -n '__fish_seen_subcommand_from whatif' -l kv-cache-memory -x -d 'KV cache size, e.g.'
 complete -c kvctl -n '__fish_seen_subcommand_from whatif' -l kv-cache-dtype -x -a 'auto fp8_e4m3 int8' -d 'auto / int8 / fp8_e4m3.'

@@ -90,9 +90,8 @@ def test_a_fleet_round_is_bounded_and_marks_the_bad_targets(base):
         assert (vllm.kind, vllm.model, vllm.running) == ("vllm", "smollm2-135m", 8)
         assert vllm.kv_usage == pytest.approx(0.024793388429752095)
         assert vllm.preemptions_per_s == 0.0  # two scrapes of the same page: no new preemption
-        assert (
-            vllm.ttft_p99 is not None and vllm.prefix_hit_rate
-        )  # 8 first tokens between its two pages == pytest.approx(896 / 2194)
+        assert vllm.prefix_hit_rate == pytest.approx(896 / 2194)
+        assert vllm.ttft_p99 is None  # two rounds seconds apart: too short a minute for a P99 that holds still
         llama = by_url[f"{base}/llamacpp/0/metrics"]
         assert (
             llama.kind == "llamacpp" and llama.ttft_p99 is None and llama.running == 1

@@ -77,6 +77,10 @@ def page(m: Mapping, values: Iterator[str]) -> str:
         lines.append(f"# TYPE {name} histogram")
         lines += [f'{name}_bucket{{le="{le}"}} {next(values)}' for le in ("0.1", "1.0", "+Inf")]
         lines += [f"{name}_sum {next(values)}", f"{name}_count {next(values)}"]
+    if m.start_time:
+        lines += [f"# TYPE {m.start_time} gauge", f"{m.start_time} {next(values)}"]
+    for name, label, value in m.selected.values():
+        lines += [f"# TYPE {name} gauge", f'{name}{{{label}="{value}"}} {next(values)}']
     if m.info:
         lines.append(f'{m.info}{{block_size="{next(values)}",num_gpu_blocks="{next(values)}",cache_dtype="auto"}} 1.0')
     if m.kind == "kvtop":
@@ -185,7 +189,7 @@ def test_every_series_with_an_unusable_value_is_absent_from_the_frame(kind, valu
     assert kv.splitlines()[0].split() == ["usage", "–", "–"]
     if m.histograms:
         assert "latency histograms ttft, itl, e2e, queue hold values kvtop cannot use" in " ".join(frame["unavailable"])
-    row = [cell.plain.strip() for cell in cells_of(row_of("u", frame, None))]
+    row = [cell.plain.strip() for cell in cells_of(row_of("u", frame, [frame]))]
     assert row[2:9] == ["-", "-", "-", "-", "-", "-", "-"]  # KV … ITL p99: nothing usable, no inf %
 
 
@@ -197,13 +201,30 @@ def test_a_histogram_whose_buckets_decrease_is_made_cumulative_as_prometheus_doe
     assert 0 < ttft["p99"] <= 0.1
 
 
+def without_start_time(text_: str) -> str:
+    return "\n".join(line for line in text_.splitlines() if "process_start_time_seconds" not in line) + "\n"
+
+
 def test_a_counter_that_goes_back_was_reset():
+    """Where the engine does not say when it started, a counter that went back was reset, as
+    Prometheus' rate() reads it."""
     m = by_kind("vllm")
-    before = parse(page(m, itertools.repeat("1000")), 100.0)
-    after = parse(page(m, itertools.repeat("20")), 110.0)  # a restart: 20 since it came back
+    before = parse(without_start_time(page(m, itertools.repeat("1000"))), 100.0)
+    after = parse(without_start_time(page(m, itertools.repeat("20"))), 110.0)  # a restart: 20 since it came back
     frame = build_frame(m, after, [before], "u")
     assert frame["throughput"]["generation_tokens_per_s"] == pytest.approx(2.0)  # 20 in 10 s, not 0 or -98
-    assert row_of("u", build_frame(m, after, [], "u"), build_frame(m, before, [], "u")).preemptions_per_s == 2.0
+    history = [build_frame(m, before, [], "u"), build_frame(m, after, [], "u")]
+    assert row_of("u", history[-1], history).preemptions_per_s == 2.0
+
+
+def test_a_new_process_start_time_is_a_new_run_with_no_rate_yet():
+    """vLLM serves process_start_time_seconds: the first scrape of a new run has nothing to compare with."""
+    m = by_kind("vllm")
+    before = parse(page(m, itertools.repeat("1000")), 100.0)
+    after = parse(page(m, itertools.repeat("20")), 110.0)  # started at 20, not 1000: another run
+    assert build_frame(m, after, [before], "u")["throughput"] == {}
+    history = [build_frame(m, before, [], "u"), build_frame(m, after, [], "u")]
+    assert row_of("u", history[-1], history).preemptions_per_s is None
 
 
 # ---- the dashboard, the fleet, kvctl status, kvctl record, replay --------------------------------
@@ -447,7 +468,7 @@ def test_any_values_through_mapping_frame_diagnosis_and_drawing(kind, data):
     engine_line(view, None), glance_line(view, False), absent.kv_partial(frame, 80)
     for panel in (KVPanel, LatencyPanel, ThroughputPanel, PrefixPanel):
         panel().draw(view, 80, 30)
-    cells_of(row_of("u", frame, frames[0]))
+    cells_of(row_of("u", frame, frames))
 
 
 def test_kvctl_status_with_prefix_queries_but_unusable_hits_prints_the_rest(hostile):

@@ -100,7 +100,7 @@ def test_preemptions_need_history_and_give_a_rate():
     g = later(f, 4, scheduler={"preemptions_total": 18})
     assert diagnose(g) == []  # one frame cannot say how often
     (line,) = diagnose(g, [f])
-    assert line.startswith("preempting 2.0/s:")
+    assert line.startswith("preempting 2.0/s (over 4 s):")
 
 
 def test_prefix_thrash_from_the_last_seconds():
@@ -143,7 +143,59 @@ def test_several_findings_most_pressing_first():
     f = frame(kv={"free": 0, "cached": 0, "allocatable": 0}, scheduler={"waiting": 4, "preemptions_total": 0})
     g = later(f, 2, scheduler={"preemptions_total": 6}, engine={"state": "draining"})
     lines = diagnose(g, [f])
-    assert [line.split(":")[0] for line in lines] == ["draining", "4 waiting, 0 free blocks", "preempting 3.0/s"]
+    assert [line.split(":")[0] for line in lines] == [
+        "draining",
+        "4 waiting, 0 free blocks",
+        "preempting 3.0/s (over 2 s)",
+    ]
+
+
+def vllm_frame(ts: float = 1000.0, **parts: dict) -> dict:
+    """A partial frame as kvtop reads vLLM's /metrics: a usage, waiting by reason, no block counts, no cap."""
+    f = {
+        "schema": 1, "ts": ts, "source": {"kind": "metrics", "url": "http://vllm:8000/metrics"},
+        "engine": {"kind": "vllm", "model": "m", "state": "running", "start_time": 900.0},
+        "kv": {"usage": 0.107, "num_blocks": 39, "block_size": 128},
+        "scheduler": {"running": 4, "waiting": 8, "waiting_for_capacity": 8, "preemptions_total": 1},
+        "prefix": {}, "events": [],
+    }  # fmt: skip
+    for section, values in parts.items():
+        f[section] = {**f[section], **values}
+    return f
+
+
+def test_vllm_waiting_with_kv_to_spare_is_a_sequence_cap_not_kv():
+    """The issue's run: --max-num-seqs 4, 12 clients, KV 10.7 %, 8 waiting for capacity."""
+    f = vllm_frame()
+    g = vllm_frame(ts=1005.0)
+    (line,) = diagnose(g, [f])
+    assert line.startswith("8 waiting for capacity, 4 running, KV 10.7 % used: a sequence cap, not KV")
+    assert "--max-num-seqs" in line and "free blocks" not in line and "KV-bound" not in line
+
+
+def test_vllm_kv_bound_only_from_its_usage_and_never_a_free_block_count():
+    f = vllm_frame(kv={"usage": 0.718})
+    assert diagnose(vllm_frame(ts=1005.0, kv={"usage": 0.718}), [f]) == []  # 72 %: neither KV-bound nor spare
+    (line,) = diagnose(vllm_frame(kv={"usage": 0.95}))
+    assert line.startswith("8 waiting for capacity, KV 95.0 % used: KV-bound")
+    assert "--gpu-memory-utilization" in line and "--kv-cache-memory" not in line and "free blocks" not in line
+
+
+def test_vllm_preempting_is_not_a_sequence_cap():
+    f = vllm_frame(kv={"usage": 0.6})
+    g = vllm_frame(ts=1010.0, kv={"usage": 0.6}, scheduler={"preemptions_total": 11})
+    (line,) = diagnose(g, [f])
+    assert line.startswith("preempting 1.0/s (over 10 s): the batch outgrows the KV cache")
+
+
+def test_vllm_rates_need_no_uptime_and_a_restart_is_a_new_run():
+    """vLLM serves process_start_time_seconds, not an uptime: frames of one run give a rate."""
+    f = vllm_frame(kv={"usage": 0.6})
+    g = vllm_frame(ts=1002.0, kv={"usage": 0.6}, scheduler={"preemptions_total": 5})
+    assert diagnose(g, [f])[0].startswith("preempting 2.0/s")
+    restarted = vllm_frame(ts=1002.0, engine={"start_time": 1001.0}, kv={"usage": 0.6},
+                           scheduler={"preemptions_total": 5})  # fmt: skip
+    assert diagnose(restarted, [f]) == []
 
 
 # ---- the diagnosis on real frames (the recorded incidents) --------------------------------------
@@ -398,3 +450,40 @@ async def test_killed_engine_replaces_the_state_and_a_restart_is_an_event(engine
         assert not dashboard.has_class("-stale")
         restart = next(e for e in app.source.events() if e["kind"] == "engine_restarted")
         assert "the last one was up" in restart["detail"]
+
+
+# ---- events derived from another engine's counters (kvtop/derived.py) ----------------------------
+def test_derived_events_from_counter_jumps_and_crossings_are_labelled_derived():
+    from kvtop.derived import derive
+
+    f = vllm_frame(kv={"usage": 0.5}, scheduler={"waiting": 0, "preemptions_total": 1})
+    g = vllm_frame(ts=1002.0, kv={"usage": 0.95}, scheduler={"waiting": 6, "preemptions_total": 5})
+    events = derive(f, g)
+    assert [e["kind"] for e in events] == ["preempted", "kv_full", "queue_grew"]
+    assert all(e["derived"] and e["detail"].startswith("derived: ") and e["ts"] == 1002.0 for e in events)
+    assert events[0]["detail"] == "derived: 4 preempted (the preemption counter 1 → 5)"
+    assert derive(g, vllm_frame(ts=1004.0, kv={"usage": 0.97}, scheduler={"waiting": 6, "preemptions_total": 5})) == []
+    restarted = vllm_frame(ts=1004.0, engine={"start_time": 1003.0}, scheduler={"preemptions_total": 9})
+    assert derive(g, restarted) == []  # another run: its counters began again
+
+
+@pytest.mark.anyio
+async def test_a_vllm_recording_replays_with_derived_markers_on_the_timeline(tmp_path):
+    """A recording of vLLM's /metrics has no event log: the preemptions and the KV filling up are
+    derived from its frames, marked on the timeline and listed in the events panel as derived."""
+    from kvtop.dashboard.widgets.timeline import Timeline
+    from kvtop.protocol.snapshot import write_snapshot
+    from kvtop.sources import ReplaySource
+
+    frames = [vllm_frame(ts=1000.0 + i, kv={"usage": 0.5 if i < 20 else 0.95},
+                         scheduler={"waiting": 0, "preemptions_total": 1 if i < 30 else 4}) for i in range(40)]  # fmt: skip
+    path = write_snapshot(tmp_path / "vllm.kvsnap", model="m", config={}, reason="recorded", frames=frames, events=[])
+    source = ReplaySource.open(path)
+    assert [e["kind"] for e in source.marked_events] == ["kv_full", "preempted"]
+    app = KvtopApp(source)
+    async with app.run_test(size=(160, 48)) as pilot:
+        marks = lambda: text(app.query_one(Timeline)).splitlines()[-1]  # noqa: E731
+        await until(pilot, lambda: "k" in marks() and "p" in marks(), "the derived marks")
+        assert marks().index("k") < marks().index("p")  # the KV filled before the preemptions
+        await pilot.press("G")
+        await until(pilot, lambda: "derived: 3 preempted" in text(app.query_one(EventsPanel)), "the derived event")

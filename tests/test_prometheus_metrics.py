@@ -25,7 +25,7 @@ VLLM_NAMES = {
     "iteration_tokens_total": "histogram", "request_params_n": "histogram", "request_params_max_tokens": "histogram",
     "request_max_num_generation_tokens": "histogram", "request_prefill_time_seconds": "histogram",
     "request_decode_time_seconds": "histogram", "request_inference_time_seconds": "histogram",
-    "time_per_output_token_seconds": "histogram", "cache_config_info": "gauge",
+    "request_time_per_output_token_seconds": "histogram", "cache_config_info": "gauge",
 }  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtop.sources.mappings import all_mappings, by_kind, detect
-from kvtop.sources.metrics import build_frame, metrics_url
+from kvtop.sources.metrics import MIN_WINDOW_S, build_frame, metrics_url
 from kvtop.sources.prometheus import NotMetrics, histogram_quantile, parse
 from tests.helpers import PageHandler
 
@@ -50,7 +50,7 @@ def test_vllm_fills_what_it_serves_and_leaves_the_rest_absent():
     assert frame["scheduler"] == {"running": 3, "waiting": 1, "preemptions_total": 0}
     kv = frame["kv"]
     assert kv["usage"] == pytest.approx(0.21875)
-    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (16, 2048, "auto")  # from cache_config_info
+    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (16, 2047, "auto")  # 2048 less the null block
     for absent in ("blocks", "used", "free", "cached", "bytes_per_token"):
         assert absent not in kv, absent  # vLLM does not say; never a made-up 0
     assert "sequences" not in frame and "memory" not in frame
@@ -68,11 +68,12 @@ def test_vllm_ttft_percentiles_match_histogram_quantile():
 
 
 def test_last_minute_percentiles_come_from_bucket_deltas():
-    frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
+    assert "window" not in frame_of("vllm_t0.prom", "vllm_t1.prom")["latency"]["ttft"]  # 5 s: too few to hold
+    frame = frame_of("vllm_t0.prom", "vllm_t1.prom", step=MIN_WINDOW_S)
     ttft = frame["latency"]["ttft"]
     win = ttft["window"]
     # between the scrapes: 20 more at 0.9 s and 6 at 3 s; the 16 fast ones before do not count
-    assert win["count"] == 26 and win["seconds"] == 5.0
+    assert win["count"] == 26 and win["seconds"] == MIN_WINDOW_S
     assert win["p50"] == pytest.approx(0.75 + 0.25 * 13 / 20)
     assert win["p99"] == pytest.approx(2.5 + 2.5 * (25.74 - 20) / 6)
     assert ttft["p50"] < win["p50"]  # the all-time figure hides the slowdown the window shows
@@ -81,7 +82,7 @@ def test_last_minute_percentiles_come_from_bucket_deltas():
 def test_rates_come_from_counter_deltas():
     frame = frame_of("vllm_t0.prom", "vllm_t1.prom")
     assert frame["throughput"] == pytest.approx(
-        {"prompt_tokens_per_s": 1024.0, "generation_tokens_per_s": 512.0, "requests_per_s": 5.2}
+        {"prompt_tokens_per_s": 1024.0, "generation_tokens_per_s": 512.0, "requests_per_s": 5.2, "window_s": 5.0}
     )
     assert frame["scheduler"]["preemptions_total"] == 7
     assert frame["prefix"]["hit_rate"] == pytest.approx(5120 / 9216)
@@ -168,11 +169,14 @@ def test_each_table_names_its_own_prefix_only():
 
 def test_a_real_vllm_recording_under_load():
     """/metrics of vLLM 0.32.0 (CPU build) on SmolLM2-135M, recorded idle, after 12 requests, then under 8 at once."""
-    frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom")
-    assert frame["engine"] == {"kind": "vllm", "model": "smollm2-135m", "state": "running"}
-    assert frame["scheduler"] == {"running": 8, "waiting": 0, "preemptions_total": 0}
+    frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom", step=MIN_WINDOW_S)
+    engine = {"kind": "vllm", "model": "smollm2-135m", "state": "running", "start_time": pytest.approx(1796114007.68)}
+    assert frame["engine"] == engine  # start_time: its process_start_time_seconds
+    assert frame["scheduler"] == {"running": 8, "waiting": 0, "waiting_for_capacity": 0, "preemptions_total": 0}
     assert frame["kv"]["usage"] == pytest.approx(0.024793388429752095)
-    assert (frame["kv"]["block_size"], frame["kv"]["num_blocks"], frame["kv"]["dtype"]) == (128, 364, "auto")
+    kv = frame["kv"]
+    assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (128, 363, "auto")  # 364 less the null block
+    assert kv["usage"] * 363 == pytest.approx(9)  # vLLM's usage is a share of those 363: 9 blocks held
     assert frame["prefix"] == {"query_tokens": 2194, "hit_tokens": 896, "hit_rate": pytest.approx(896 / 2194)}
     ttft = frame["latency"]["ttft"]
     assert ttft["count"] == 20 and ttft["window"]["count"] == 8  # 8 first tokens between the two scrapes
@@ -291,3 +295,33 @@ def test_kvctl_status_url_refuses_a_page_that_is_not_metrics(server):
     r = kvctl("status", "--url", f"{server.url}/v1/models", timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "cannot read" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_nothing_looked_up_is_no_hit_rate_not_0_percent():
+    """An idle engine (vLLM just started; ours, which serves its hit-rate gauge as 0) has no prefix
+    hit rate: the prefix panel, the fleet and `kvctl status --url` show –, not 0.0 %."""
+    from kvtop.dashboard.widgets.prefix_panel import PrefixPanel
+    from kvtop.dashboard.widgets.view import View
+    from kvtop.fleet.poller import row_of
+
+    idle_vllm = frame_of("vllm_real_t0.prom")
+    assert idle_vllm["prefix"] == {"query_tokens": 0, "hit_tokens": 0}
+    ours = "\n".join(["# TYPE kvtop_prefix_cache_hit_rate gauge", "kvtop_prefix_cache_hit_rate 0.0",
+                      "# TYPE kvtop_prefix_cache_queries counter", "kvtop_prefix_cache_queries_total 0.0",
+                      "# TYPE kvtop_prefix_cache_hits counter", "kvtop_prefix_cache_hits_total 0.0"]) + "\n"  # fmt: skip
+    idle_ours = build_frame(by_kind("kvtop"), parse(ours, 100.0), [], "u")
+    assert "hit_rate" not in idle_ours["prefix"]
+    for frame in (idle_vllm, idle_ours):
+        drawn = PrefixPanel().draw(View(frame, [frame], []), 80, 10).plain
+        assert drawn.splitlines()[0].split()[:3] == ["hit", "rate", "–"], drawn
+        assert row_of("u", frame, [frame]).prefix_hit_rate is None
+
+
+def test_an_engine_started_within_the_minute_has_its_whole_histogram_as_the_window():
+    """vLLM says when it started: within the last minute, all it observed is the window's."""
+    page = (FIXTURES / "vllm_real_t2.prom").read_text()
+    start = float(next(ln.split()[1] for ln in page.splitlines() if ln.startswith("process_start_time_seconds")))
+    frame = build_frame(by_kind("vllm"), parse(page, start + 30), [], "u")
+    ttft = frame["latency"]["ttft"]
+    assert ttft["window"]["seconds"] == pytest.approx(30) and ttft["window"]["count"] == ttft["count"]
+    assert ttft["window"]["p99"] == ttft["p99"]

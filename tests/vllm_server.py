@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,72 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
                 return
         time.sleep(2)
     raise RuntimeError(f"vLLM did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def samples(url: str) -> dict[str, float]:
+    """vLLM's own /metrics, each sample name summed over its label sets (its truth, read without kvtop)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+class Load:
+    """`clients` threads sending completions (a ~200-token prompt, 64 tokens out, ignore_eos) until
+    closed: three 128-token blocks a request by its end."""
+
+    def __init__(self, url: str, clients: int = 4) -> None:
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            self.client.completions.create(model="smollm2-135m", prompt=f"Tell me a long story, number {i}. " * 20,
+                                           max_tokens=64, extra_body={"ignore_eos": True})  # fmt: skip
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(300)
+
+
+class CounterLog:
+    """A vLLM counter read straight from its /metrics every `every` seconds, in a thread: the
+    truth a rate kvtop shows is checked against. `at(t)` is its value at time t (the last reading
+    then), `still(t0, t1)` whether it held still from t0 to t1."""
+
+    def __init__(self, url: str, name: str, every: float = 0.25) -> None:
+        self.url, self.name, self.every = url, name, every
+        self.readings: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            with contextlib.suppress(httpx.HTTPError):
+                value = samples(self.url).get(self.name)
+                if value is not None:
+                    self.readings.append((time.time(), value))
+
+    def at(self, t: float) -> float | None:
+        before = [v for ts, v in self.readings if ts <= t]
+        return before[-1] if before else None
+
+    def still(self, t0: float, t1: float) -> bool:
+        """Read at least once before t0 and after t1, and the same value all along."""
+        inside = [v for ts, v in self.readings if t0 <= ts <= t1]
+        start, end = self.at(t0), [v for ts, v in self.readings if ts > t1][:1]
+        return start is not None and bool(end) and all(v == start for v in (*inside, *end))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)

@@ -18,6 +18,8 @@ from kvtop.entry import CLIError
 
 out = Console()
 err = Console(stderr=True)
+STATUS_WINDOW_S = 10.0  # `kvctl status --url` scrapes for this long: its rates are over it, not one second
+MIN_WINDOW_S, MAX_WINDOW_S = 1.0, 60.0
 
 
 def _client(socket: Path | None) -> EngineClient:
@@ -34,17 +36,32 @@ def status(
     engine: Annotated[
         str | None, typer.Option("--engine", help="With --url: vllm, sglang, llamacpp or kvtop (default: detected).")
     ] = None,
+    window: Annotated[
+        float,
+        typer.Option(
+            "--window",
+            help=f"With --url: scrape once a second for this many seconds ({MIN_WINDOW_S:g}-{MAX_WINDOW_S:g}); "
+            "rates and findings are over them.",
+        ),
+    ] = STATUS_WINDOW_S,
 ) -> None:
     """What the engine is doing now: state, KV blocks, requests, prefix hits, latency."""
     from kvtop.ctl.summary import render_status
 
     url = _checked_urls(url)
+    if not MIN_WINDOW_S <= window <= MAX_WINDOW_S:  # nan and inf too
+        raise typer.BadParameter(
+            f"{window:g} is not {MIN_WINDOW_S:g} to {MAX_WINDOW_S:g} seconds", param_hint="--window"
+        )
     if url and len(url) > 1:  # a fleet: one line per engine
-        _fleet_status(url, engine, socket, json_out)
+        _fleet_status(url, engine, socket, json_out, window)
         return
     if url or engine is not None:
-        frame = _metrics_frame(url[0] if url else None, engine, socket)
-        print(json.dumps(frame, indent=2)) if json_out else out.print(render_status(frame, out.width))
+        frames = _metrics_frames(url[0] if url else None, engine, socket, window)
+        if json_out:
+            print(json.dumps(frames[-1], indent=2))
+        else:
+            out.print(render_status(frames[-1], out.width, frames[:-1]))
         return
     with _client(socket) as c:
         frame = c.stats()
@@ -66,8 +83,9 @@ def _checked_urls(urls: list[str] | None) -> list[str] | None:
         raise CLIError(str(exc)) from None
 
 
-def _metrics_frame(url: str | None, engine: str | None, socket: Path | None) -> dict:
-    """Two scrapes a second apart (so rates show) of an engine's /metrics, as a partial frame."""
+def _metrics_frames(url: str | None, engine: str | None, socket: Path | None, window: float) -> list[dict]:
+    """An engine's /metrics scraped once a second for `window` seconds, as partial frames, oldest
+    first: the last one is shown, rates (Prometheus' `rate()`) and findings are over them all."""
     from kvtop.sources import SourceUnavailable
     from kvtop.sources.metrics import MetricsSource
 
@@ -80,17 +98,34 @@ def _metrics_frame(url: str | None, engine: str | None, socket: Path | None) -> 
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
-        source.poll()
-        time.sleep(1.0)
-        return source.poll()
+        source.poll()  # the first: a page that cannot be read is the error
     except SourceUnavailable as exc:
+        source.close()
         raise CLIError(f"cannot read {source.url}: {exc}") from None
+    try:
+        _every_second_for(window, source.poll, now=False)
+    except SourceUnavailable:
+        pass  # it went away meanwhile: what was read is shown
     finally:
         source.close()
+    return source.history()
 
 
-def _fleet_status(urls: list[str], engine: str | None, socket: Path | None, json_out: bool) -> None:
-    """Every target scraped at once, twice a second apart (so rates show); one line each."""
+def _every_second_for(window: float, poll, now: bool = True) -> None:
+    """`poll()` now (unless `now` is False: the caller just did), then once a second until `window`
+    seconds have passed (a tick a slow poll overran is skipped: at most `window` plus one poll)."""
+    start = time.monotonic()
+    if now:
+        poll()
+    tick = 1
+    while tick <= window:
+        time.sleep(max(0.0, start + tick - time.monotonic()))
+        poll()
+        tick = max(tick + 1, int(time.monotonic() - start) + 1)
+
+
+def _fleet_status(urls: list[str], engine: str | None, socket: Path | None, json_out: bool, window: float) -> None:
+    """Every target scraped at once, once a second for `window` seconds (rates over them); one line each."""
     from dataclasses import asdict
 
     from kvtop.fleet import Fleet
@@ -103,9 +138,8 @@ def _fleet_status(urls: list[str], engine: str | None, socket: Path | None, json
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
-        fleet.poll()
-        time.sleep(1.0)
-        rows = fleet.poll()
+        _every_second_for(window, fleet.poll)
+        rows = fleet.rows
     finally:
         fleet.close()
     if json_out:

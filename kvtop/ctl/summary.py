@@ -41,7 +41,7 @@ def render_status(frame: dict, width: int = 120, history: list[dict] | None = No
     """The report for a terminal `width` columns wide; `history` (earlier frames, oldest first)
     lets the diagnosis see rates."""
     if (frame.get("source") or {}).get("kind") == "metrics":
-        return render_partial(frame)
+        return render_partial(frame, history or [])
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
@@ -109,9 +109,10 @@ def _load_rows(t: Table, frame: dict) -> None:
         f"{sched['running']} running, {sched['waiting']} waiting, {sched['swapped']} swapped (max {sched['max_num_seqs']})"
         f" · {sched['active_tokens']} active tokens · {sched['preemptions_total']} preemptions{queue}",
     )
+    rate = f"{prefix['hit_rate'] * 100:.1f} %" if prefix["query_tokens"] else "-"  # nothing looked up: no rate
     t.add_row(
         "prefix",
-        f"{prefix['hit_rate'] * 100:.1f} % of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
+        f"{rate} of prompt tokens hit ({prefix['hit_tokens']} / {prefix['query_tokens']})"
         f" · saved ≈{prefix['saved_prefill_s']:.2f} s of prefill",
     )
     _latency_rows(t, frame["latency"])
@@ -140,7 +141,8 @@ def _throughput_row(t: Table, thr: dict) -> None:
              f"{_opt(thr.get('prompt_tokens_per_s'), '{:.1f}')} prompt tok/s"]  # fmt: skip
     if thr.get("requests_per_s") is not None:
         parts.append(f"{thr['requests_per_s']:.2f} req/s")
-    t.add_row("throughput", " · ".join(parts))
+    over = f"  (over {thr['window_s']:.0f} s)" if thr.get("window_s") else ""  # a /metrics frame's window
+    t.add_row("throughput", " · ".join(parts) + over)
 
 
 def _sequences(seqs: list[dict]) -> Table:
@@ -173,8 +175,11 @@ def _opt(v, fmt: str = "{}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def render_partial(frame: dict) -> Group:
-    """A frame read from an engine's /metrics: what it serves, and one line for each thing it cannot show."""
+def render_partial(frame: dict, history: list[dict] | None = None) -> Group:
+    """A frame read from an engine's /metrics: what it serves, the findings over it and `history`
+    (earlier scrapes, oldest first), and one line for each thing it cannot show."""
+    from kvtop.diagnosis import diagnose
+
     eng, kv, sched, prefix = (frame.get(k) or {} for k in ("engine", "kv", "scheduler", "prefix"))
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -201,5 +206,7 @@ def render_partial(frame: dict) -> Group:
     _latency_rows(t, frame.get("latency") or {})
     if thr := frame.get("throughput"):
         _throughput_row(t, thr)
+    findings = diagnose(frame, history or [])
+    t.add_row("diagnosis", Text("\n".join(findings), style="yellow") if findings else "nothing stands out")
     t.add_row("not shown", Text("\n".join(frame.get("unavailable") or []), style="dim"))
     return Group(t)

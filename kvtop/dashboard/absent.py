@@ -23,7 +23,7 @@ PANELS = {
     "latency": (lambda f: not f.get("latency"), "latency", "{} exposes no latency histograms"),
     "prefix": (lambda f: not f.get("prefix"), "prefix", "{} exposes no prefix-cache counts"),
     "memory": (lambda f: not f.get("memory"), "memory", "{}'s /metrics carries no memory figures"),
-    "events": (lambda f: not f.get("events"), "events", "/metrics carries counts, not events: none from {}"),
+    "events": (lambda f: not f.get("events"), "events", "/metrics carries counts, not events: none derived yet"),
 }
 
 

@@ -26,7 +26,7 @@ from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.help import HelpScreen
 from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.fleet.poller import Row
-from kvtop.fleet.table import ms, n, pct
+from kvtop.fleet.table import ms, n, pct, rate
 
 BAR = 10  # cells of the KV usage bar
 STATE_STYLES = {"ok": "green", "slow": "yellow"}  # unreachable and not metrics: red
@@ -60,7 +60,12 @@ COLUMNS: dict[str, tuple[str, Callable[[Row], object], Callable[[Row], object], 
     "kv": ("KV", lambda r: r.kv_usage, _kv, "KV cache usage"),
     "running": ("run", lambda r: r.running, lambda r: n(r.running), "requests running"),
     "waiting": ("wait", lambda r: r.waiting, lambda r: n(r.waiting), "requests waiting"),
-    "preempt": ("preempt/s", lambda r: r.preemptions_per_s, lambda r: n(r.preemptions_per_s), "preemptions/s"),
+    "preempt": (
+        "preempt/s",
+        lambda r: r.preemptions_per_s,
+        lambda r: rate(r.preemptions_per_s),
+        "preemptions/s over the last 30 s",
+    ),
     "hit": ("prefix hit", lambda r: r.prefix_hit_rate, lambda r: pct(r.prefix_hit_rate), "prefix-cache hit rate"),
     "ttft": ("TTFT p99 ms", lambda r: r.ttft_p99, lambda r: ms(r.ttft_p99), "TTFT P99 over the last minute"),
     "itl": ("ITL p99 ms", lambda r: r.itl_p99, lambda r: ms(r.itl_p99), "ITL P99 over the last minute"),

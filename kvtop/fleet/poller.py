@@ -13,8 +13,9 @@ import concurrent.futures as cf
 import time
 from dataclasses import dataclass
 
+from kvtop.rates import window_rate
 from kvtop.sources.base import SourceUnavailable
-from kvtop.sources.metrics import MetricsSource, increase
+from kvtop.sources.metrics import MetricsSource
 
 MAX_WORKERS = 32  # concurrent scrapes at most, whatever the fleet's size
 
@@ -44,17 +45,15 @@ def _p99(frame: dict, key: str) -> float | None:
     return (h.get("window") or {}).get("p99")
 
 
-def row_of(url: str, frame: dict, before: dict | None) -> Row:
+def row_of(url: str, frame: dict, history: list[dict]) -> Row:
+    """`frame`'s row; preemptions/s over the frames of the last RATE_WINDOW_S seconds (`history`,
+    oldest first, ending with `frame`), as Prometheus' `rate()`."""
     sched = frame.get("scheduler") or {}
-    rate = None
-    if before and "preemptions_total" in sched and frame["ts"] > before["ts"]:
-        earlier = (before.get("scheduler") or {}).get("preemptions_total")
-        if earlier is not None:
-            rate = increase(sched["preemptions_total"], earlier) / (frame["ts"] - before["ts"])
     return Row(
         url=url, state="ok", kind=frame["engine"].get("kind"), model=frame["engine"].get("model"),
         kv_usage=(frame.get("kv") or {}).get("usage"), running=sched.get("running"), waiting=sched.get("waiting"),
-        preemptions_per_s=rate, prefix_hit_rate=(frame.get("prefix") or {}).get("hit_rate"),
+        preemptions_per_s=window_rate(history, "scheduler.preemptions_total"),
+        prefix_hit_rate=(frame.get("prefix") or {}).get("hit_rate"),
         ttft_p99=_p99(frame, "ttft"), itl_p99=_p99(frame, "itl"),
     )  # fmt: skip
 
@@ -82,9 +81,9 @@ class Fleet:
 
     def _scrape(self, i: int) -> Row:
         source = self.sources[i]
-        before = source.current
         try:
-            return row_of(source.url, source.poll(), before)
+            frame = source.poll()
+            return row_of(source.url, frame, source.history())
         except SourceUnavailable as exc:
             return Row(source.url, source.failure or "unreachable", str(exc))
         except Exception as exc:  # one engine's page must not end the round: its row says what failed

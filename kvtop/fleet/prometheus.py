@@ -3,7 +3,7 @@
 The scale-out path: kvtop asks Prometheus' HTTP API, not the engines. `/api/v1/targets` lists the
 engines (their scrape URL, health and last error); one PromQL query per figure and engine kind,
 built from the same tables as `MetricsSource` (`kvtop/sources/mappings/`), gives each figure for
-every instance at once (`sum by (instance)`, `rate(…[1m])`, `histogram_quantile(0.99, …)`).
+every instance at once (`sum by (instance)`, `rate(…[30s])`, `histogram_quantile(0.99, …[1m])`).
 A round is a fixed number of requests to one server, whatever the fleet's size, each bounded in
 size (MAX_ANSWER_BYTES) and in time as a whole (the timeout, `kvtop/sources/fetch.py`). A figure
 Prometheus answers that no engine can have (NaN, ±Inf, a negative count, a usage above 1) is left
@@ -18,11 +18,13 @@ import time
 import httpx
 
 from kvtop.fleet.poller import Row
+from kvtop.rates import RATE_WINDOW_S
 from kvtop.sources import fetch
 from kvtop.sources.mappings import Mapping, all_mappings
 from kvtop.sources.prometheus import number
 
-WINDOW = "1m"  # rates and percentiles over the last minute, as the local fleet's
+WINDOW = "1m"  # percentiles over the last minute, as the local fleet's (kvtop/sources/metrics.py WINDOW_S)
+RATE = f"{RATE_WINDOW_S:.0f}s"  # rates over the window kvtop's own rates use (kvtop/rates.py)
 MAX_ANSWER_BYTES = 64 * fetch.MiB  # /api/v1/targets of thousands of targets (most not engines) runs to tens of MiB
 FRACTIONS = ("kv_usage", "prefix_hit_rate")  # row fields that are at most 1
 
@@ -34,15 +36,15 @@ def _any(names: tuple[str, ...], agg: str) -> str:
 def queries(m: Mapping) -> dict[str, str]:
     """Row field -> PromQL giving it for every instance of engine kind `m` (absent fields: no query)."""
     q = {"model": f'count by (instance, model_name) ({{__name__=~"{m.prefix}.+"}})'}
-    for field, path, agg in (("kv_usage", "kv.usage", "max"), ("running", "scheduler.running", "sum"),
-                             ("waiting", "scheduler.waiting", "sum"), ("prefix_hit_rate", "prefix.hit_rate", "max")):  # fmt: skip
-        if path in m.gauges:
-            q[field] = _any(m.gauges[path], agg)
-    if "prefix_hit_rate" not in q and {"prefix.hit_tokens", "prefix.query_tokens"} <= m.counters.keys():
+    if {"prefix.hit_tokens", "prefix.query_tokens"} <= m.counters.keys():  # 0 / 0 (nothing looked up) is NaN: no rate
         hits, asked = m.counters["prefix.hit_tokens"], m.counters["prefix.query_tokens"]
         q["prefix_hit_rate"] = f"({_any(hits, 'sum')}) / ({_any(asked, 'sum')})"
+    for field, path, agg in (("kv_usage", "kv.usage", "max"), ("running", "scheduler.running", "sum"),
+                             ("waiting", "scheduler.waiting", "sum"), ("prefix_hit_rate", "prefix.hit_rate", "max")):  # fmt: skip
+        if path in m.gauges and field not in q:  # an engine's own hit-rate gauge only where it serves no counts
+            q[field] = _any(m.gauges[path], agg)
     if "scheduler.preemptions_total" in m.counters:
-        names = tuple(f"rate({n}[{WINDOW}])" for n in m.counters["scheduler.preemptions_total"])
+        names = tuple(f"rate({n}[{RATE}])" for n in m.counters["scheduler.preemptions_total"])
         q["preemptions_per_s"] = _any(names, "sum")
     for field, key in (("ttft_p99", "ttft"), ("itl_p99", "itl")):
         if key in m.histograms:

@@ -23,7 +23,15 @@ def ms(v: float | None) -> str:
 def n(v) -> str:
     if number(v) is None:
         return "-"
-    return f"{v:g}" if isinstance(v, float) else str(v)
+    return str(v)
+
+
+def rate(v: float | None) -> str:
+    """A per-second rate rounded for reading (0.086, 1.3, 12), as the dashboard's."""
+    v = number(v)
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.2f}" if v >= 0.01 else f"{v:.3f}"
 
 
 def fleet_table(rows: list[Row]) -> Table:
@@ -35,6 +43,6 @@ def fleet_table(rows: list[Row]) -> Table:
         state = Text("ok", "green") if r.state == "ok" else Text(f"{r.state}: {r.error or ''}"[:60], "red")
         t.add_row(
             Text(r.url), r.kind or "-", Text(r.model or "-"), pct(r.kv_usage), n(r.running), n(r.waiting),
-            n(r.preemptions_per_s), pct(r.prefix_hit_rate), ms(r.ttft_p99), ms(r.itl_p99), state,
+            rate(r.preemptions_per_s), pct(r.prefix_hit_rate), ms(r.ttft_p99), ms(r.itl_p99), state,
         )  # fmt: skip
     return t

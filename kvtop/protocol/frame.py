@@ -54,6 +54,9 @@ class EngineInfo(TypedDict):
     attention_backend: NotRequired[str]
     max_model_len: NotRequired[Count]
     kind: NotRequired[Annotated[str, Schema(description="A partial frame's engine: vllm, sglang, llamacpp, kvtop.")]]
+    start_time: NotRequired[
+        Annotated[NonNeg, Schema(description="When the engine's process started, unix s (process_start_time_seconds).")]
+    ]
 
 
 class CpuTier(TypedDict):
@@ -131,6 +134,9 @@ class SchedulerInfo(TypedDict):
     max_num_batched_tokens: Positive
     active_tokens: Count
     preemptions_total: Count
+    waiting_for_capacity: NotRequired[
+        Annotated[Count, Schema(description="Of those waiting, for scheduling capacity (vLLM's waiting_by_reason).")]
+    ]
 
 
 class PrefixCache(TypedDict):
@@ -181,6 +187,7 @@ class Throughput(TypedDict):
     prompt_tokens_per_s: NonNeg
     generation_tokens_per_s: NonNeg
     requests_per_s: NonNeg
+    window_s: NotRequired[Annotated[NonNeg, Schema(description="A partial frame's: the seconds its rates span.")]]
 
 
 class Counters(TypedDict):
@@ -222,6 +229,9 @@ class Event(TypedDict):
     kind: Annotated[str, Schema(minLength=1)]
     seq_id: str | None
     detail: str
+    derived: NotRequired[
+        Annotated[bool, Schema(description="kvtop's, from the engine's counters and gauges (kvtop/derived.py).")]
+    ]
 
 
 class ServerInfo(TypedDict, total=False):

@@ -63,6 +63,9 @@ REQUEST_HISTOGRAMS = {
     "prefill": (P + "request_prefill_time_seconds", "First scheduled to first token."),
     "decode": (P + "request_decode_time_seconds", "First token to last token."),
     "inference": (P + "request_inference_time_seconds", "First scheduled to last token."),
-    "tpot": (P + "time_per_output_token_seconds", "Decode time over output tokens after the first, per request."),
+    "tpot": (
+        P + "request_time_per_output_token_seconds",
+        "Decode time over output tokens after the first, per request.",
+    ),
 }
 LABELS = ("model_name", "engine")

@@ -16,6 +16,7 @@ HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
 NOTABLE_EVENTS = (
     "preempted", "swapped", "evicted", "prefix_evicted", "drain_started", "drain_finished", "resumed",
     "aborted", "failed", "step_failed", "snapshot", "engine_restarted",
+    "kv_full", "queue_grew",  # derived from another engine's counters (kvtop/derived.py)
 )  # fmt: skip
 BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: first to go, shown as one line
 EVENTS_KEPT = 2000

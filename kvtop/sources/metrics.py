@@ -20,14 +20,17 @@ from collections.abc import Callable
 
 import httpx
 
+from kvtop.derived import derive
+from kvtop.protocol.frame import FRAME_EVENTS
+from kvtop.rates import RATE_WINDOW_S, SAME_RUN_S, increase
 from kvtop.sources import fetch
-from kvtop.sources.base import HISTORY_S, FrameSource, SourceUnavailable, last_seconds
+from kvtop.sources.base import EVENTS_KEPT, HISTORY_S, FrameSource, SourceUnavailable, last_seconds
 from kvtop.sources.mappings import Mapping, by_kind, detect
 from kvtop.sources.mappings.llamacpp import add_slots, read_slots
 from kvtop.sources.prometheus import MAX_BYTES, MAX_VALUE, NotMetrics, Scrape, delta, histogram_quantile, parse
 
 WINDOW_S = 60.0  # latency percentiles over the last minute
-RATE_S = 10.0  # throughput over the last seconds
+MIN_WINDOW_S = 20.0  # …once the scrapes span this much of it
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 DEADLINE_S = 10.0  # for a whole page, whatever the per-read timeout: a byte a second never trips that
 FRACTIONS = ("kv.usage", "kv.peak_usage", "prefix.hit_rate")  # frame fields that are at most 1
@@ -69,31 +72,57 @@ def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
         h.update({p: histogram_quantile(q, buckets) for p, q in QUANTILES})
         h["buckets"] = [le for le, _ in buckets[:-1]]
         h["counts"] = [int(c - b) for (_, c), (_, b) in zip(buckets, [(0, 0.0), *buckets[:-1]], strict=True)]
-        then = next((s for s in earlier if s.ts >= scrape.ts - WINDOW_S and name in s.buckets), None)
-        if then is not None:
-            win = delta(buckets, then.buckets[name])
-            h["window"] = {"seconds": scrape.ts - then.ts, "count": int(win[-1][1])}
+        if window := _window(m, name, scrape, earlier):
+            win, seconds = window
+            h["window"] = {"seconds": seconds, "count": int(win[-1][1])}
             h["window"].update({p: histogram_quantile(q, win) for p, q in QUANTILES})
         out[key] = h
     return out
 
 
+def _window(m: Mapping, name: str, scrape: Scrape, earlier: list[Scrape]) -> tuple[list, float] | None:
+    """The histogram's buckets over the last minute, and the seconds they span: the difference
+    from the oldest scrape in the minute, once that is MIN_WINDOW_S back (over fewer seconds a P99
+    jumps from round to round: none is given rather than one that will not hold); or everything
+    since the engine started, where it started within the minute (then that is the window)."""
+    buckets = scrape.buckets[name]
+    start = _start(m, scrape)
+    if start is not None and scrape.ts - WINDOW_S <= start <= scrape.ts:
+        return buckets, scrape.ts - start
+    then = next((s for s in earlier if s.ts >= scrape.ts - WINDOW_S and name in s.buckets), None)
+    if then is None or scrape.ts - then.ts < MIN_WINDOW_S:
+        return None
+    return delta(buckets, then.buckets[name]), scrape.ts - then.ts
+
+
 def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
-    then = next((s for s in earlier if s.ts >= scrape.ts - RATE_S), None)
-    if then is None or scrape.ts <= then.ts:
+    """Throughput over the scrapes of the engine's run in the last RATE_WINDOW_S seconds, as
+    Prometheus' `rate()` (kvtop/rates.py): `window_s` says over how long."""
+    start = _start(m, scrape)
+    window = [scrape]
+    for s in reversed(earlier):  # newest first
+        if s.ts < scrape.ts - RATE_WINDOW_S or s.ts >= window[-1].ts:
+            break
+        if start is not None and (then := _start(m, s)) is not None and abs(then - start) >= SAME_RUN_S:
+            break  # an earlier run: its counters are not this one's
+        window.append(s)
+    window.reverse()
+    seconds = scrape.ts - window[0].ts
+    if seconds <= 0:
         return {}
-    out = {}
+    out: dict = {}
     for key, names in m.rates.items():
-        now, before = scrape.first(names), then.first(names)
-        if now is not None and before is not None:
-            out[key] = increase(now, before) / (scrape.ts - then.ts)
+        values = [s.first(names) for s in window]
+        if all(v is not None for v in values):
+            out[key] = increase(values) / seconds  # type: ignore[arg-type]
+    if out:
+        out["window_s"] = seconds
     return out
 
 
-def increase(now: float, before: float) -> float:
-    """A counter's increase between two readings; one that went back was reset (a restart) and
-    counts from 0, as Prometheus' `rate()` reads it."""
-    return now - before if now >= before else now
+def _start(m: Mapping, scrape: Scrape) -> float | None:
+    """When the engine's process started, where its page says (the same value: the same run)."""
+    return scrape.first((m.start_time,)) if m.start_time else None
 
 
 def _unusable_histograms(m: Mapping, scrape: Scrape) -> list[str]:
@@ -105,10 +134,13 @@ def _unusable_histograms(m: Mapping, scrape: Scrape) -> list[str]:
 def _cache_config(m: Mapping, scrape: Scrape, frame: dict) -> None:
     """vLLM's `cache_config_info` labels: block size, blocks, KV dtype (a count that is not one is absent)."""
     labels = (scrape.series.get(m.info) or [({}, 0.0)])[0][0] if m.info else {}
-    for label, key, least in (("block_size", "block_size", 1), ("num_gpu_blocks", "num_blocks", 0)):
+    for label, key, least, less in (
+        ("block_size", "block_size", 1, 0),
+        ("num_gpu_blocks", "num_blocks", 0, m.reserved_blocks),
+    ):
         count = _label_count(labels.get(label))
-        if count is not None and count >= least and key not in frame["kv"]:
-            frame["kv"][key] = count
+        if count is not None and count >= least + less and key not in frame["kv"]:
+            frame["kv"][key] = count - less  # the blocks requests get: the usage is a share of these
     if labels.get("cache_dtype") not in (None, "", "None") and "dtype" not in frame["kv"]:
         frame["kv"]["dtype"] = labels["cache_dtype"]
 
@@ -141,12 +173,18 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
             _set(frame, path, value)
         elif value is not None and value.is_integer():  # a count of 2.5 requests is not one
             _set(frame, path, int(value))
+    if (start := _start(m, scrape)) is not None:
+        frame["engine"]["start_time"] = start
+    for path, (name, label, wanted) in m.selected.items():
+        _set_selected(frame, path, scrape, name, label, wanted)
     _cache_config(m, scrape, frame)
     if m.kind == "kvtop":
         _kvtop_extras(scrape, frame)
     prefix = frame["prefix"]
     hits, asked = prefix.get("hit_tokens"), prefix.get("query_tokens")
-    if "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
+    if asked == 0:  # nothing looked up yet: no hit rate (ours serves its gauge as 0), never 0 %
+        prefix.pop("hit_rate", None)
+    elif "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
         prefix["hit_rate"] = hits / asked
     frame["latency"] = _latency(m, scrape, earlier)
     frame["throughput"] = _rates(m, scrape, earlier)
@@ -159,6 +197,14 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
             f"{m.label}'s latency histograms {', '.join(bad)} hold values kvtop cannot use (NaN, ±Inf, not a count)"
         )
     return frame
+
+
+def _set_selected(frame: dict, path: str, scrape: Scrape, name: str, label: str, wanted: str) -> None:
+    """The count of `name`'s series whose `label` is `wanted` (summed over the other labels), where served."""
+    found = [v for labels, v in scrape.series.get(name, []) if labels.get(label) == wanted]
+    total = sum(found)
+    if found and 0 <= total < MAX_VALUE and total.is_integer():
+        _set(frame, path, int(total))
 
 
 def _kvtop_extras(scrape: Scrape, frame: dict) -> None:
@@ -197,6 +243,7 @@ class MetricsSource(FrameSource):
         self._clock = clock
         self._scrapes: deque[Scrape] = deque()
         self._frames: deque[dict] = deque()
+        self._events: list[dict] = []  # derived from the frames, oldest first
         self.failure: str | None = None  # the last poll's: "unreachable", "not metrics" or "slow"
         self._client = fetch.client(timeout)
         self._lock = threading.Lock()
@@ -234,8 +281,12 @@ class MetricsSource(FrameSource):
         with self._lock:
             frame = build_frame(mapping, scrape, list(self._scrapes), self.url)
             add_slots(frame, slots)
+            if self._frames:  # the engine logs nothing kvtop can read: its counters' jumps, as events
+                self._events.extend(derive(self._frames[-1], frame))
+                del self._events[:-EVENTS_KEPT]
+            frame["events"] = self._events[-FRAME_EVENTS:]
             self._scrapes.append(scrape)
-            while self._scrapes and self._scrapes[0].ts < scrape.ts - WINDOW_S - 5:
+            while self._scrapes and self._scrapes[0].ts < scrape.ts - max(WINDOW_S, RATE_WINDOW_S) - 5:
                 self._scrapes.popleft()
             self._frames.append(frame)
             while self._frames and self._frames[0]["ts"] < scrape.ts - HISTORY_S:
@@ -248,7 +299,9 @@ class MetricsSource(FrameSource):
             return last_seconds(self._frames, seconds)
 
     def events(self) -> list[dict]:
-        return []  # Prometheus carries counts, not events
+        """Prometheus carries counts, not events: those derived from them (kvtop/derived.py)."""
+        with self._lock:
+            return list(self._events)
 
     def next_delay(self) -> float:
         return min(2.0, self.interval) if self.disconnected_since is not None else self.interval

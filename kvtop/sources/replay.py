@@ -27,6 +27,23 @@ def _locked(method):
 
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+DERIVE_MAX_FRAMES = 20_000  # a /metrics recording longer than this (5.5 h at 1 s) is not read whole at open
+
+
+def _derived(frames: Sequence[dict]) -> list[dict]:
+    """The events derived from a /metrics recording's frames (kvtop/derived.py); a frame that is
+    not a stats frame is passed over, and a recording past DERIVE_MAX_FRAMES derives none."""
+    from kvtop.derived import derive_all  # here: kvtop.derived -> diagnosis -> rates -> kvtop.sources is a cycle
+
+    if len(frames) > DERIVE_MAX_FRAMES:
+        return []
+    good = []
+    for i in range(len(frames)):
+        try:
+            good.append(frames[i])
+        except FrameError:
+            continue
+    return derive_all(good)
 
 
 class ReplaySource(FrameSource):
@@ -57,6 +74,9 @@ class ReplaySource(FrameSource):
         self._played_from: tuple[float, float] | None = None  # (wall clock, frame time) at play
         self.error: str | None = None  # why the frame at `index` is not the one on screen
         self.current = self.frames[0]
+        if not self._events and (self.current.get("source") or {}).get("kind") == "metrics":
+            self._events = _derived(self.frames)  # another engine's recording: no log, its counters' jumps
+            self._event_ts = [e["ts"] for e in self._events]
         self._shown = -1
         self._lock = threading.RLock()
 
@@ -80,6 +100,11 @@ class ReplaySource(FrameSource):
     def close(self) -> None:
         if isinstance(self.snapshot, SnapshotReader):
             self.snapshot.close()
+
+    @property
+    def marked_events(self) -> list[dict]:
+        """Every event along the recording (the timeline's marks): its own, or those derived."""
+        return self._events
 
     @property
     def start_ts(self) -> float:

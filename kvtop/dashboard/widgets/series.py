@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from itertools import pairwise
 
+from kvtop.rates import RATE_WINDOW_S, window_rate
 from kvtop.sources.prometheus import number
 
 
@@ -56,34 +57,10 @@ def ratios(history: list[dict], num: str, den: str) -> list[float]:
     return out
 
 
-def engine_start(frame: dict) -> float:
-    """When the engine that sent `frame` started (a new value means a new engine run)."""
-    return get(frame, "ts") - get(frame, "engine.uptime_s")
-
-
-def latest_rate(history: list[dict], path: str, span_s: float = 5.0) -> float | None:
-    """Average per-second increase over the last `span_s` seconds of frames (or since the frame
-    before the last, where frames are further apart than that); None where there is no earlier
-    frame of the same engine run to compare with (a restart begins its counters again)."""
-    if len(history) < 2:
-        return None
-    last = history[-1]
-    start, since = engine_start(last), get(last, "ts") - span_s
-    first = None
-    for i in range(len(history) - 2, -1, -1):  # newest first: only the last few seconds are read
-        f = history[i]
-        if abs(engine_start(f) - start) >= 1.0:
-            break
-        if f["ts"] >= last["ts"]:
-            continue
-        if first is not None and f["ts"] < since:
-            break
-        first = f
-    if first is None:
-        return None
-    dt = get(last, "ts") - get(first, "ts")
-    delta = get(last, path) - get(first, path)
-    return max(delta, 0.0) / dt if dt > 0 else None
+def latest_rate(history: list[dict], path: str, span_s: float = RATE_WINDOW_S) -> float | None:
+    """Per-second increase over the last `span_s` seconds of frames of the same engine run, as
+    Prometheus' `rate()` (`kvtop.rates`); None where there is no earlier frame of that run."""
+    return window_rate(history, path, span_s)
 
 
 def frame_at_or_before(history: list[dict], ts: float) -> dict | None:

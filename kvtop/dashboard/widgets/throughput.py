@@ -8,6 +8,7 @@ from rich.text import Text
 from kvtop.dashboard.widgets import fmt, series
 from kvtop.dashboard.widgets.header import rejected_summary
 from kvtop.dashboard.widgets.view import Panel, View
+from kvtop.rates import RATE_WINDOW_S
 
 LINES = (  # label, style, how to get the series
     ("prompt tok/s", "cyan", "throughput.prompt_tokens_per_s"),
@@ -39,7 +40,9 @@ class ThroughputPanel(Panel):
         )
         known = rejected_total(view.frame) is not None  # frames from `kvctl run` or `LLM` have no server part
         totals = [{"ts": f["ts"], "engine": f.get("engine"), "n": rejected_total(f)} for f in hist]
-        latest = [{"ts": f["ts"], "engine": f.get("engine"), "n": rejected_total(f)} for f in view.history[-64:]]
+        since = view.frame.get("ts", 0) - RATE_WINDOW_S  # the rate's window: only its frames are copied
+        latest = [{"ts": f["ts"], "engine": f.get("engine"), "n": rejected_total(f)}
+                  for f in view.history if f.get("ts", 0) >= since]  # fmt: skip
         now = series.latest_rate(latest, "n") if known else None
         rows.append(self._rate_row("rejected/s", now, series.rates(totals, "n") if known else [], spark_w))
         s = view.frame.get("scheduler", {})

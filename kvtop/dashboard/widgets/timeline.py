@@ -1,7 +1,8 @@
 """The replay timeline: play state and speed, position, the snapshot's trigger (and, when the
 frame at the position is not a stats frame, why the last good one is still shown), and the events
 along the recording as marks under a bar (`p` preemption, `e` eviction, `d` drain, `r` resume,
-`a` abort, `s` snapshot; the most severe wins a cell)."""
+`a` abort, `s` snapshot; on a recording of another engine's /metrics, derived from its counters:
+`p` preemptions, `k` KV usage past 90 %, `q` the queue growing; the most severe wins a cell)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from kvtop.dashboard.widgets import fmt
 from kvtop.sources import ReplaySource
 
 MARKS = {"preempted": "p", "aborted": "a", "evicted": "e", "prefix_evicted": "e", "drain_started": "d", "drain_finished": "d",
-         "resumed": "r", "snapshot": "s"}  # fmt: skip
-SEVERITY = "pdaesr"  # earlier = more severe
-MARK_STYLES = {"p": "red", "a": "red", "e": "yellow", "d": "yellow", "r": "green", "s": "cyan"}
+         "resumed": "r", "snapshot": "s", "kv_full": "k", "queue_grew": "q"}  # fmt: skip
+SEVERITY = "pkdaqesr"  # earlier = more severe
+MARK_STYLES = {"p": "red", "k": "red", "a": "red", "e": "yellow", "d": "yellow", "q": "yellow", "r": "green",
+               "s": "cyan"}  # fmt: skip
 
 
 def mmss(seconds: float) -> str:
@@ -41,7 +43,7 @@ class Timeline(Static):
         pos = min(width - 1, int(source.position / length * (width - 1)))
         bar = Text.assemble(("━" * pos, "bold cyan"), ("●", "bold"), ("─" * (width - 1 - pos), "bright_black"))
         cells = [" "] * width
-        for e in source.snapshot.events:
+        for e in source.marked_events:
             mark = MARKS.get(e.get("kind", ""))
             if mark is None:
                 continue

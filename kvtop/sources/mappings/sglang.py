@@ -21,6 +21,7 @@ MAPPING = Mapping(
         "generation_tokens_per_s": ("sglang:generation_tokens_total",),
         "requests_per_s": ("sglang:num_requests_total",),
     },
+    start_time="process_start_time_seconds",  # prometheus_client's, where the server serves it
     histograms={
         "ttft": "sglang:time_to_first_token_seconds",
         "itl": "sglang:inter_token_latency_seconds",

@@ -12,6 +12,9 @@ MAPPING = Mapping(
         "scheduler.swapped": ("vllm:num_requests_swapped",),  # V0 only
         "kv.usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # a fraction; the second is V0's
     },
+    selected={
+        "scheduler.waiting_for_capacity": ("vllm:num_requests_waiting_by_reason", "reason", "capacity"),  # 0.11+
+    },
     counters={
         "scheduler.preemptions_total": ("vllm:num_preemptions_total",),
         "prefix.query_tokens": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
@@ -22,6 +25,7 @@ MAPPING = Mapping(
         "generation_tokens_per_s": ("vllm:generation_tokens_total",),
         "requests_per_s": ("vllm:request_success_total",),
     },
+    start_time="process_start_time_seconds",  # prometheus_client's, where the server serves it
     histograms={
         "ttft": "vllm:time_to_first_token_seconds",
         "itl": "vllm:inter_token_latency_seconds",  # vllm:time_per_output_token_seconds before 0.11
@@ -29,6 +33,7 @@ MAPPING = Mapping(
         "queue": "vllm:request_queue_time_seconds",
     },
     info="vllm:cache_config_info",
+    reserved_blocks=1,  # block 0 is vLLM's null block: its usage is of num_gpu_blocks - 1
     cannot_show=(
         "vLLM exposes no block map",
         "vLLM exposes no per-sequence table",
