@@ -28,7 +28,7 @@ from engine.kv.cpu_tier import CpuTier
 from engine.log import log
 from engine.metrics import Metrics
 from engine.model.loader import load_model
-from engine.model.packed_linear import prefill_copy_note
+from engine.model.packed_linear import weights_note
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
@@ -52,11 +52,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.start_time = time.time()
         t0 = time.time()
-        loaded = load_model(config.model, self.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
-        self.model_path = loaded.path
-        self.eos_token_ids = loaded.eos_token_ids
+        self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.weights_bytes, self.prefill_copy_bytes = loaded.weights_bytes, loaded.prefill_copy_bytes
+        self.weights_format = loaded.weights_format
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.model.build_rope_cache(self.max_model_len)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
@@ -115,7 +115,7 @@ class LLMEngine:
             f"attention {self.attention_backend}; KV {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, "
             f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}; "
             f"{at_len} concurrent sequences at max_model_len={self.max_model_len}"
-            + (f"; weights {note}" if (note := prefill_copy_note(self.weights_bytes, self.prefill_copy_bytes)) else "")
+            + f"; weights {weights_note(self.weights_format, self.weights_bytes, self.prefill_copy_bytes)}"
         )
 
     # ---- requests ------------------------------------------------------------------------

@@ -189,6 +189,7 @@ def _memory(engine: LLMEngine) -> Memory:
         "device_total": device_total,
         "device_used": device_used,
         "weights": engine.weights_bytes,
+        "weights_format": engine.weights_format,
         "prefill_copy": engine.prefill_copy_bytes,
         "kv": engine.kv.total_bytes,
         "nvml": _nvml(engine),

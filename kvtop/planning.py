@@ -11,15 +11,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes
+from kvtop.protocol.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, format_bytes
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.sizing import (
     ELEMENT_BYTES,
+    GGUF_PRESETS,
     PRESETS,
     ModelShape,
     bytes_per_token,
+    held_weights,
     num_blocks_for,
     parameter_count,
+    preset_tensors,
     shape_from_config,
 )
 
@@ -78,6 +81,7 @@ class Plan:
     memory_bytes: int | None = None  # the device memory asked about, when it was
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     warnings: list[str] = field(default_factory=list)
+    weights_format: str = ""  # the dtype, or a GGUF file's block formats kept quantized: "Q4_1, Q8_0, float32"
 
     @property
     def gqa_saving(self) -> float:
@@ -141,13 +145,16 @@ def plan(
     contexts: list[int] | None = None,
     kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    quantization: str = EngineConfig.quantization,
 ) -> Plan:
     """Figures for a KV budget given directly (`kv_cache_memory`), or as what `memory` × utilization
     leaves after the weights, or both (the KV budget, checked against the memory). Raises PlanError
-    where the weights or the budget do not fit."""
+    where the weights or the budget do not fit. A GGUF's weights count as the engine holds them on
+    the CPU: with `quantization` auto its Q4_0/Q4_1/Q8_0 blocks as they are, with none de-quantized."""
     shape = shape_from_config(config_for(model))
     params = parameter_count(shape)
-    weights = params * ELEMENT_BYTES[dtype]
+    tensors = gguf_weight_tensors(model, shape, quantization)
+    weights, weights_format = held_weights(tensors, dtype) if tensors else (params * ELEMENT_BYTES[dtype], dtype)
     kv_memory = kv_budget(weights, kv_cache_memory, memory, gpu_memory_utilization)
     contexts = contexts or [shape.max_position_embeddings]
     options = [_kv_option(shape, kvd, dtype, kv_memory, block_size, contexts) for kvd in kv_dtypes]
@@ -180,4 +187,23 @@ def plan(
         memory_bytes=memory,
         gpu_memory_utilization=gpu_memory_utilization,
         warnings=warnings,
+        weights_format=weights_format,
     )
+
+
+def gguf_weight_tensors(model: str, shape: ModelShape, quantization: str) -> list[tuple[str, int]] | None:
+    """A GGUF model's weight tensors as (format, elements) where the engine keeps them quantized
+    (`quantization` auto): a fetched name's from its preset (no file, no torch), a .gguf file's read
+    through the engine; None where the weights load de-quantized."""
+    if quantization not in QUANTIZATIONS:
+        raise PlanError(f"--quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    path = Path(model).expanduser()
+    if quantization == "none":
+        return None
+    if model in GGUF_PRESETS and not path.exists():
+        return preset_tensors(shape, GGUF_PRESETS[model])
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    from kvtop.ctl.engine_gate import load_engine
+
+    return load_engine("engine.model.gguf_quant", "plan").weight_tensors(path)

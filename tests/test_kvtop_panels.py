@@ -41,6 +41,14 @@ def test_memory_shows_a_prefill_copy_beside_the_weights_only_where_there_is_one(
     assert "+ 203.0 MiB prefill copy" in line
 
 
+def test_memory_says_the_weights_format_where_the_engine_sends_it():
+    frame = copy.deepcopy(FRAMES[-1])  # a snapshot from before the field: the bytes alone
+    frame["memory"]["weights"] = 96_576_768
+    frame["memory"]["weights_format"] = "Q4_1, Q8_0, float32"
+    line = next(t for t in MemoryPanel().draw(view(frame), 70, 10).plain.splitlines() if t.startswith("weights"))
+    assert "92.1 MiB Q4_1, Q8_0, float32" in line
+
+
 def test_drain_detail_in_the_header():
     frame = copy.deepcopy(FRAMES[-1])
     assert drain_detail(frame) == ""

@@ -41,6 +41,7 @@ SOURCES = [
     CSRC / "fp32_attention.cpp",
     CSRC / "bf16_attention.cpp",
     CSRC / "decode_layers.cpp",
+    CSRC / "quant_gemm.cpp",
 ]
 HEADERS = [
     CSRC / "cephes_exp.h",
@@ -48,6 +49,7 @@ HEADERS = [
     CSRC / "bf16_simd.h",
     CSRC / "causal_tasks.h",
     CSRC / "panel_gemm.h",
+    CSRC / "fp32_panel.h",
     CSRC / "row_blocks.h",
 ]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one

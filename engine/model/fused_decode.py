@@ -6,7 +6,8 @@ waits: 21 % of the main thread's time went outside the kernels. `kvtop_cpu::deco
 (engine/kernels/csrc/decode_layers.cpp) runs the same kernels in the same order from C++ — results
 bit for bit the Python loop's — for the steps it covers: every token a one-token decode, the `cpu`
 attention backend, float32 or bfloat16, a KV cache of the model's dtype (int8/fp8 caches and fp8
-calibration keep the Python loop), and projections of the layer classes `packed_linear` makes.
+calibration keep the Python loop), and projections of the layer classes `packed_linear` makes, or
+`quant_linear.QuantLinear` (a GGUF's blocks).
 Anything else, and `KVTOP_FUSED_DECODE=0`, runs the Python loop.
 """
 
@@ -21,9 +22,11 @@ from engine.kernels.attention import AttentionBatch
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
 from engine.model.panel_linear import PanelGateUp, PanelLinear
+from engine.model.quant_linear import QuantLinear
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
+QUANT_KIND = 1000  # decode_layers.cpp's kQuantKind: a QuantLinear's kind is this + its ggml type
 
 
 def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -42,6 +45,8 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
         return 2, module.weight, module.bias
     if type(module) is nn.Linear:
         return 3, module.weight, module.bias
+    if isinstance(module, QuantLinear) and module.use_kernel:  # quant_linear on its GGUF blocks
+        return QUANT_KIND + int(module.fmt), module.blocks, module.bias
     return None
 
 

@@ -1,7 +1,9 @@
 """Find a model (name, HF directory, GGUF file or hub id), read its config, load its weights.
 
 GGUF files are converted once into an HF directory under the cache (`engine.model.gguf`); the
-shape of a model is `engine.model.spec`.
+shape of a model is `engine.model.spec`. With `quantization="auto"` a GGUF file's weights load
+from the file in their block formats (`engine.model.gguf_quant`); `"none"` (the default, until the
+quantized prefill is as fast as bf16's) loads the de-quantized directory's.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
+from engine.log import log
 from engine.model import default
 from engine.model.gguf import convert_gguf
+from engine.model.gguf_quant import load_quantized, quantized_load_refusal
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.spec import ModelSpec, config_fields, read_spec
@@ -26,9 +30,10 @@ class LoadedModel:
     tokenizer: object
     path: Path
     eos_token_ids: set[int]
-    weights_bytes: int  # the model's parameters at its dtype (what `kvctl plan` counts)
+    weights_bytes: int  # the model's resident weights (blocks, parameters), what `kvctl plan` counts
     # held besides: oneDNN's copy of the AMX or bf16-panel projections for long prefill steps
     prefill_copy_bytes: int = 0
+    weights_format: str = ""  # "float32"; a quantized GGUF's formats by bytes, e.g. "Q4_1, Q8_0, float32"
 
 
 def read_config_fields(model: str) -> dict:
@@ -94,16 +99,47 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file a model name or path stands for (a known model's, fetched if missing), else None."""
+    if model in default.KNOWN_MODELS:
+        return default.fetch_gguf(*default.KNOWN_MODELS[model])
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def weights_format(net: torch.nn.Module) -> str:
+    """The formats the weights are held in, most bytes first: "Q4_1, Q8_0, float32"."""
+    by_format: dict[str, int] = {}
+    for module in net.modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            name = getattr(module, "fmt", None) if tensor.dtype == torch.uint8 else None
+            key = name.name if name is not None else str(tensor.dtype).removeprefix("torch.")
+            by_format[key] = by_format.get(key, 0) + tensor.numel() * tensor.element_size()
+    return ", ".join(sorted(by_format, key=by_format.__getitem__, reverse=True))
+
+
+def resident_bytes(net: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (a tensor held in two places counted once)."""
+    return sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
+
+
+def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = "none") -> LoadedModel:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model)
     spec, config = read_spec(model_dir)
-    with torch.device("meta"):
-        net = CausalLM(spec)
-    net = net.to_empty(device=device).to(dtype)
-    net.load_hf_state_dict(_read_weights(model_dir))
-    net.eval()
+    source = gguf_file(model) if quantization == "auto" else None
+    if source is not None and (refusal := quantized_load_refusal(source, device)):
+        log(refusal)
+        source = None
+    if source is not None:
+        net = load_quantized(source, spec, dtype)
+    else:
+        with torch.device("meta"):
+            net = CausalLM(spec)
+        net = net.to_empty(device=device).to(dtype)
+        net.load_hf_state_dict(_read_weights(model_dir))
+        net.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:
@@ -112,7 +148,9 @@ def load_model(model: str, dtype: torch.dtype, device: str) -> LoadedModel:
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    weights_bytes, fmt = resident_bytes(net), weights_format(net)
+    if source is not None:  # the quantized layers are what runs: nothing to pack
+        return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, 0, fmt)
     pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
     copy = second_copy_bytes(net)
-    return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, copy)
+    return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, copy, fmt)

@@ -250,12 +250,13 @@ def second_copy_bytes(model: nn.Module) -> int:
     )
 
 
-def prefill_copy_note(weights_bytes: int, copy_bytes: int) -> str:
-    """The weights and the copy in words, for start lines ("" without a copy)."""
+def weights_note(weights_format: str, weights_bytes: int, copy_bytes: int) -> str:
+    """The weights' formats and bytes, and any prefill copy, in words, for start lines."""
+    note = f"{weights_format}: {format_bytes(weights_bytes)}"
     if not copy_bytes:
-        return ""
+        return note
     return (
-        f"{format_bytes(weights_bytes)} + {format_bytes(copy_bytes)}: a oneDNN copy of the projections "
+        f"{note} + {format_bytes(copy_bytes)}: a oneDNN copy of the projections "
         f"for prefill steps of {LARGE_ROWS:,}+ tokens ({LARGE_ENV}=0: without)"
     )
 

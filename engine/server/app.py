@@ -22,7 +22,7 @@ from pathlib import Path
 import uvicorn
 
 from engine.log import log
-from engine.model.packed_linear import prefill_copy_note
+from engine.model.packed_linear import weights_note
 from engine.openmp import release_thread_pool
 from engine.server.connections import QuietRepeats, raise_open_files_limit, uvicorn_config
 from engine.server.sockets import bind_tcp, bind_unix, check_socket
@@ -65,11 +65,7 @@ def startup_summary(
         f"= {cap} tokens in {format_bytes(kv.total_bytes)}; max_model_len {engine.max_model_len}, "
         f"max_num_seqs {engine.config.max_num_seqs}, queue {config.max_queue}",
         *([f"  warning   {w}"] if (w := context_limit_warning(engine.max_model_len, cap)) else []),
-        *(
-            [f"  weights   {note}"]
-            if (note := prefill_copy_note(engine.weights_bytes, engine.prefill_copy_bytes))
-            else []
-        ),
+        f"  weights   {weights_note(engine.weights_format, engine.weights_bytes, engine.prefill_copy_bytes)}",
         f"  OpenAI    {api_url}/v1  (completions, chat/completions, models)"
         + ("  API key required" if config.api_key else ""),
         f"  metrics   {api_url}/metrics    health {api_url}/health",

@@ -19,6 +19,7 @@ from kvtop.protocol.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     EngineConfig,
 )
@@ -75,6 +76,14 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         ),
     ),
     "kv_cache_dtype": (str, typer.Option(help=f"KV storage: {_choice(KV_CACHE_DTYPES)}.", rich_help_panel=_P)),
+    "quantization": (
+        str,
+        typer.Option(
+            help=f"Weights: {_choice(QUANTIZATIONS)} (auto: a GGUF file's stay in its Q4/Q8 blocks on the CPU, "
+            "a quarter of fp32's bytes; none, the default for now: de-quantized to --dtype).",
+            rich_help_panel=_P,
+        ),
+    ),
     "attention_backend": (str, typer.Option(help=f"{_choice(ATTENTION_BACKENDS)}.", rich_help_panel=_P)),
     "schedule_policy": (str, typer.Option(help=f"{_choice(SCHEDULE_POLICIES)}.", rich_help_panel=_P)),
     "preemption_mode": (str, typer.Option(help=f"{_choice(PREEMPTION_MODES)}.", rich_help_panel=_P)),

@@ -11,7 +11,15 @@ from rich.table import Table
 
 from kvtop.ctl.options import JsonFlag
 from kvtop.planning import Plan, plan
-from kvtop.protocol.config import KV_CACHE_DTYPES, EngineConfig, format_bytes, parse_size
+from kvtop.protocol.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, format_bytes, parse_size
+
+QuantizationOption = Annotated[
+    str,
+    typer.Option(
+        help=f"{' | '.join(QUANTIZATIONS)}: a GGUF's weights counted in their Q4/Q8 blocks as the engine "
+        "holds them on the CPU (auto), or de-quantized to --dtype (none)."
+    ),
+]
 
 
 def plan_command(
@@ -33,6 +41,7 @@ def plan_command(
         float, typer.Option(help="With --memory: the share the engine may use; the rest is headroom (vLLM's).")
     ] = EngineConfig.gpu_memory_utilization,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    quantization: QuantizationOption = EngineConfig.quantization,
     context: Annotated[
         str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
     ] = None,
@@ -60,6 +69,7 @@ def plan_command(
         contexts=contexts,
         kv_dtypes=KV_CACHE_DTYPES,
         gpu_memory_utilization=gpu_memory_utilization,
+        quantization=quantization,
     )  # PlanError (weights or budget do not fit): one line and exit 1, from kvctl's main
     if as_json:
         body = dataclasses.asdict(p)
@@ -82,7 +92,7 @@ def print_plan(p: Plan) -> None:
     out.print(
         f"[bold]{p.model}[/bold] ({p.model_type}): {p.layers} layers, {p.heads} query heads, "
         f"{p.kv_heads} KV heads × {p.head_dim}, {p.parameters / 1e6:.1f} M parameters, "
-        f"{format_bytes(p.weights_bytes)} of {p.dtype} weights; {budget}, blocks of {p.block_size}",
+        f"{format_bytes(p.weights_bytes)} of {p.weights_format or p.dtype} weights; {budget}, blocks of {p.block_size}",
         highlight=False,
     )
     table = Table(title="KV bytes = layers × 2 × kv_heads × head_dim × tokens × bytes/element")

@@ -51,6 +51,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("auto", "none")  # auto: a GGUF file's weights stay in their block formats on the CPU
 
 
 @dataclass
@@ -66,6 +67,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    # auto: a GGUF's weights stay quantized (CPU); none: de-quantized to dtype. None by default until the
+    # quantized prefill and batched decode are as fast as bf16's (benchmarks/README.md, "GGUF weights")
+    quantization: str = "none"
     attention_backend: str = "auto"
     schedule_policy: str = "fcfs"
     preemption_mode: str = "recompute"
@@ -80,6 +84,7 @@ class EngineConfig:
         for name, allowed in (
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("quantization", QUANTIZATIONS),
             ("attention_backend", ATTENTION_BACKENDS),
             ("schedule_policy", SCHEDULE_POLICIES),
             ("preemption_mode", PREEMPTION_MODES),

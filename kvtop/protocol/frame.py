@@ -210,7 +210,18 @@ class NvmlReading(TypedDict, total=False):
 class Memory(TypedDict):
     device_total: Count
     device_used: Count
-    weights: Count
+    weights: Annotated[
+        Count, Schema(description="Resident weight bytes: every parameter and buffer, quantized blocks as held.")
+    ]
+    weights_format: NotRequired[
+        Annotated[
+            str,
+            Schema(
+                description="The formats the weights are held in, most bytes first: float32, bfloat16, or a GGUF "
+                "file's block formats kept quantized (Q4_1, Q8_0, float32). Absent from older engines' frames."
+            ),
+        ]
+    ]
     kv: Count
     nvml: Annotated[NvmlReading | None, Schema(description="GPU utilisation from NVML; null where there is none.")]
     prefill_copy: NotRequired[

@@ -124,3 +124,43 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_
 def num_blocks_for(memory_bytes: int, per_token: int, block_size: int) -> int:
     """Blocks that fit in `memory_bytes` (the one sizing rule, shared by the engine and its predictions)."""
     return int(memory_bytes) // (per_token * block_size)
+
+
+# GGUF block formats the engine keeps quantized on the CPU (issue #41; engine/model/quant_linear.py's
+# KERNEL_FORMATS): weights per block, bytes per block (an fp16 scale, Q4_1 an fp16 offset, the values).
+# Every other tensor is held de-quantized, at the model's dtype.
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+# The GGUF files behind the names the engine fetches, so the light install plans their quantized
+# bytes without the file: the projections' format and the embedding's (tied: also the logits head).
+GGUF_PRESETS = {"smollm2-135m": {"projections": "Q4_1", "embedding": "Q8_0"}}
+
+
+def tensor_bytes(fmt: str, elements: int, dtype: str) -> int:
+    """Resident bytes of a weight tensor of `elements` values in GGUF format `fmt` (F32, Q4_1…): its
+    blocks where the engine keeps them, else de-quantized to `dtype`."""
+    if fmt in GGUF_BLOCKS:
+        per_block, block_bytes = GGUF_BLOCKS[fmt]
+        return -(-elements // per_block) * block_bytes
+    return elements * ELEMENT_BYTES[dtype]
+
+
+def held_weights(tensors: list[tuple[str, int]], dtype: str) -> tuple[int, str]:
+    """The bytes and the formats (most bytes first: "Q4_1, Q8_0, float32") of weight tensors given as
+    (GGUF format, elements), as the engine holds them: the kernel's formats as blocks, others at `dtype`."""
+    by_format: dict[str, int] = {}
+    for fmt, elements in tensors:
+        name = fmt if fmt in GGUF_BLOCKS else dtype
+        by_format[name] = by_format.get(name, 0) + tensor_bytes(fmt, elements, dtype)
+    return sum(by_format.values()), ", ".join(sorted(by_format, key=by_format.__getitem__, reverse=True))
+
+
+def preset_tensors(shape: ModelShape, preset: dict[str, str]) -> list[tuple[str, int]]:
+    """A GGUF preset's weight tensors as (format, elements): its projections, norms (F32) and embedding
+    (its own logits head, untied, in the embedding's format)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, i = shape.hidden_size, shape.intermediate_size
+    layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h]
+    tensors = [(preset["projections"], n) for _ in range(shape.num_layers) for n in layer]
+    tensors += [("F32", h)] * (2 * shape.num_layers + 1)
+    heads = 1 if shape.tie_word_embeddings else 2
+    return tensors + [(preset["embedding"], shape.vocab_size * h)] * heads

@@ -15,7 +15,8 @@
 //   2 PanelLinear in fp32 (fp32_gemm on the fp32 panel layout),
 //   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue),
 //   5 PanelLinear in bf16 (bf16_gemm on the bf16 panel layout, an fp32 bias),
-//   6 PanelGateUp (gate/up only: fp32_gate_up_silu on the fp32 panels, SiLU-and-mul in its epilogue).
+//   6 PanelGateUp (gate/up only: fp32_gate_up_silu on the fp32 panels, SiLU-and-mul in its epilogue),
+//   1000 + a ggml type: QuantLinear of engine/model/quant_linear.py (quant_linear on GGUF blocks of that type).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,6 +29,7 @@
 namespace {
 
 constexpr int64_t kPerLayer = 4;     // projections per layer: qkv, o, gate_up, down
+constexpr int64_t kQuantKind = 1000;  // a QuantLinear's kind: this + its ggml type
 
 c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -75,6 +77,11 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       bf16 = op("kvtop_cpu::bf16_gemm")
                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                      const std::optional<at::Tensor>&)>
+      quant = op("kvtop_cpu::quant_linear")
+                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                    const std::optional<at::Tensor>&)>();
 };
 
 const Ops& ops() {
@@ -104,7 +111,9 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     case 2: return ops().fp32.call(x, w, bias, n);
     case 3: return at::linear(x, w, bias);
     case 5: return ops().bf16.call(x, w, bias, n);
-    default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
+    default:
+      TORCH_CHECK(kind > kQuantKind, "decode_layers: unknown linear kind ", kind);
+      return ops().quant.call(x, w, kind - kQuantKind, n, bias);
   }
 }
 

@@ -12,6 +12,17 @@ from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.view import Panel, View
 
 
+def weights_text(m: dict) -> str:
+    """The weights' bytes, their formats where the engine says them (a GGUF's blocks kept quantized:
+    "Q4_1, Q8_0, float32"), and a prefill copy where there is one."""
+    text = fmt.size(m.get("weights"))
+    if m.get("weights_format"):
+        text += f" {m['weights_format']}"
+    if m.get("prefill_copy"):
+        text += f" + {fmt.size(m['prefill_copy'])} prefill copy"
+    return text
+
+
 class MemoryPanel(Panel):
     TITLE = "Memory"
 
@@ -25,12 +36,7 @@ class MemoryPanel(Panel):
             Text.assemble(
                 ("used      ", "bold"), fmt.gauge(fmt.ratio(used, total) or 0, bar), f" {fmt.size(used):>10}"
             ),
-            fmt.label_value(
-                "weights",
-                fmt.size(m.get("weights"))
-                + (f" + {fmt.size(m['prefill_copy'])} prefill copy" if m.get("prefill_copy") else ""),
-                10,
-            ),
+            fmt.label_value("weights", weights_text(m), 10),
             fmt.label_value(
                 "KV",
                 f"{fmt.size(m.get('kv'))}"

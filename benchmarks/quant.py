@@ -1,0 +1,151 @@
+"""GGUF weights kept quantized against our de-quantized bf16 and fp32, and llama.cpp on the same file.
+
+    .venv/bin/python benchmarks/quant.py                          # SmolLM2 Q4_1: 1 and 64 sequences
+    .venv/bin/python benchmarks/quant.py --sequences 1 --rounds 3 # runs alternated, best and median
+    .venv/bin/python benchmarks/quant.py --engines quant,bf16     # a subset
+
+Each engine runs in its own process, one at a time (two OpenMP processes on 2 cores ruin each
+other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
+generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
+  quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head)
+  bf16      ours, the same file de-quantized to bf16 (`quantization="none"`)
+  fp32      ours, de-quantized to fp32
+  llamacpp  llama.cpp through node-llama-cpp 3.21.1 from npm (a prebuilt llama.cpp; installed once
+            under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1` there), CPU, 2 threads
+Reported: output tokens per second of wall time (prompt processing included), best and median over
+`--rounds`, and each engine's ratio to `quant`. Only meaningful on a quiet machine (load < 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"quant": ("float32", "auto"), "bf16": ("bfloat16", "none"), "fp32": ("float32", "none")}
+NODE_LLAMA_CPP = "node-llama-cpp@3.21.1"
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n)]
+
+
+def run_ours(name: str, n: int, prompt_len: int, max_tokens: int) -> dict:
+    """In this process (the child): load, warm up, time one generate of every prompt."""
+    from engine import LLM, SamplingParams
+
+    dtype, quantization = OURS[name]
+    kv = "1GiB" if n > 8 else "256MiB"
+    llm = LLM(
+        "smollm2-135m",
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_memory=kv,
+        enable_prefix_caching=False,
+        quiet=True,
+    )
+    llm.generate(prompts(2, 16), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    work = prompts(n, prompt_len)
+    t0 = time.perf_counter()
+    outs = llm.generate(work, params)
+    seconds = time.perf_counter() - t0
+    memory = llm.stats()["memory"]
+    return {
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "seconds": seconds,
+        "weights": memory["weights"],
+        "format": memory["weights_format"],
+    }
+
+
+def node_llama_cpp_dir() -> Path | None:
+    """Where node-llama-cpp is installed (with the driver script beside it), or None."""
+    from kvtop.protocol.paths import cache_dir
+
+    home = cache_dir() / "node-llama-cpp"
+    if not (home / "node_modules" / "node-llama-cpp").exists():
+        return None
+    shutil.copy(ROOT / "benchmarks" / "llamacpp_node.mjs", home / "llamacpp_node.mjs")
+    return home
+
+
+def run_llamacpp(n: int, prompt_len: int, max_tokens: int) -> dict | None:
+    from engine.model.default import KNOWN_MODELS, fetch_gguf
+
+    home = node_llama_cpp_dir()
+    if home is None or shutil.which("node") is None:
+        print(f"llamacpp: skipped (node and `npm install {NODE_LLAMA_CPP}` in $KVTOP_CACHE/node-llama-cpp)")
+        return None
+    gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
+    cmd = ["node", "llamacpp_node.mjs", str(gguf), str(n), str(prompt_len), str(max_tokens), "2"]
+    proc = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(f"llamacpp: failed ({proc.stderr.strip().splitlines()[-1:]})")
+        return None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**result, "weights": gguf.stat().st_size, "format": "GGUF file"}
+
+
+def child(engine: str, n: int, prompt_len: int, max_tokens: int) -> dict | None:
+    """One engine's run in a fresh process."""
+    if engine == "llamacpp":
+        return run_llamacpp(n, prompt_len, max_tokens)
+    cmd = [sys.executable, __file__, "--child", engine, "--sequences", str(n), "--prompt-len", str(prompt_len)]
+    cmd += ["--max-tokens", str(max_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if proc.returncode != 0:
+        print(f"{engine}: failed\n{proc.stderr[-2000:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="quant,bf16,fp32,llamacpp")
+    ap.add_argument("--sequences", default="1,64", help="comma-separated sequence counts")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every engine, taken in turn")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        result = run_ours(args.child, int(args.sequences), args.prompt_len, args.max_tokens)
+        print(json.dumps(result))
+        return
+    engines = args.engines.split(",")
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
+    for n in (int(s) for s in args.sequences.split(",")):
+        rates: dict[str, list[float]] = {e: [] for e in engines}
+        info: dict[str, dict] = {}
+        for r in range(args.rounds):
+            for engine in engines if r % 2 == 0 else engines[::-1]:
+                result = child(engine, n, args.prompt_len, args.max_tokens)
+                if result:
+                    rates[engine].append(result["tokens"] / result["seconds"])
+                    info[engine] = result
+        print(f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s:")
+        base = max(rates.get("quant") or [0.0]) or None
+        for engine in engines:
+            if not rates[engine]:
+                continue
+            best, median = max(rates[engine]), statistics.median(rates[engine])
+            ratio = f"quant / {engine} = {base / best:.2f}x" if base and engine != "quant" else ""
+            weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
+            print(f"  {engine:9s} best {best:8.1f}  median {median:8.1f}   weights {weights:40s} {ratio}")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()

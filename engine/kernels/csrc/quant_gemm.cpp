@@ -1,0 +1,353 @@
+// Linear layers on GGUF block-quantized weights, computed on the blocks (issue #41).
+//
+// Why: a decode step reads every weight once, so its time is the weights' bytes over the memory
+// bandwidth; SmolLM2-135M's Q4_1 projections are 0.625 bytes a weight against fp32's 4. The weight
+// stays as the file holds it: [N, K/32 blocks] per output column, a block being
+//   Q8_0 (ggml type 8):  fp16 d, int8 q[32]                 w = d * q
+//   Q4_0 (ggml type 2):  fp16 d, 16 bytes of nibbles        w = d * (q - 8)
+//   Q4_1 (ggml type 3):  fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+// (nibble j of the 16 bytes: the low half of byte j is element j, the high half element j + 16).
+//
+// Two kernels, both AVX2 + FMA + F16C, and quant_linear, which picks one by the row count:
+// - quant_gemv, for a few rows (decode): one work item is a run of output columns; each block of a
+//   column is de-quantized into four 8-lane registers once and multiplied into every row's
+//   accumulator (up to kRows rows at a time). The block's scale comes out of the sum: per row,
+//   sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k, with sum_k x_k per block computed once per
+//   call. The activations stay fp32: the results are the de-quantized weights' products up to
+//   summation order (tests/test_quant_linear.py compares them with the reference within fp32 rounding).
+// - quant_gemm, for many rows (prefill): a work item de-quantizes one panel of 48 columns into a
+//   thread's [K, 48] fp32 buffer — exactly the values the reference de-quantizes — and multiplies it
+//   into up to 256 rows with fp32_gemm's register blocks (csrc/fp32_panel.h): the de-quantization is
+//   paid once for all those rows, and the fp32 panel lives in the cache, never in memory as a copy.
+//
+// Elsewhere (no AVX2 + FMA + F16C) `quant_linear_supported()` is false and quant_linear.py
+// de-quantizes with the reference instead. No AVX-512 path: the AVX2 one runs on AVX-512 machines too.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <optional>
+
+#include "panel_gemm.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVTOP_QUANT_GEMM 1
+#include <immintrin.h>
+#endif
+
+// Explicit mul then add where the reference does (d * q + m): no contraction into an fma, so the
+// panels hold exactly the reference's values.
+#pragma GCC optimize("fp-contract=off")
+#include "fp32_panel.h"  // fp32_gemm's register blocks, which multiply a de-quantized panel
+
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids, as engine/model/quant_linear.py names them
+constexpr int64_t kBlock = 32;
+constexpr int64_t kNR = kvtop_panels::kPanel;
+
+int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: return 0;
+  }
+}
+
+bool quant_linear_supported() {
+#ifdef KVTOP_QUANT_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+// blocks: a contiguous uint8 [N, K/32 * block bytes]; K a multiple of 32; a format the kernel runs.
+int64_t check_blocks(const at::Tensor& blocks, int64_t format, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(quant_linear_supported(), op, ": this build has no AVX2 with FMA and F16C");
+  const int64_t bytes = block_bytes(format);
+  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0)");
+  TORCH_CHECK(k > 0 && k % kBlock == 0, op, ": K must be a positive multiple of 32");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && !blocks.is_cuda() && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(0) == n && blocks.size(1) == k / kBlock * bytes,
+              op, ": the weight must be a contiguous uint8 [N, K/32 * ", bytes, "] on the CPU");
+  return bytes;
+}
+
+#ifdef KVTOP_QUANT_GEMM
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One block's 32 quantized values as floats (nibbles unsigned 0..15, Q8_0 signed), in element order,
+// and its scale d and offset m: w = d * q + m (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up
+// to rounding; the panels compute it as the reference does, dequant_block).
+struct Block {
+  __m256 q[4];
+  float d, m;
+};
+
+template <int64_t F>
+inline Block load_block(const uint8_t* b) {
+  Block out;
+  out.d = half_at(b);
+  if constexpr (F == kQ8_0) {
+    out.m = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      out.q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+    }
+  } else {
+    const uint8_t* qs = b + (F == kQ4_1 ? 4 : 2);
+    out.m = F == kQ4_1 ? half_at(b + 2) : -8.0f * out.d;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out.q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out.q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out.q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out.q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  return out;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+constexpr int kRows = 4;  // rows per pass over a column: 4 accumulators + 4 block registers + temporaries
+
+// y[r, col] for rows [r0, r0 + R) and one column: the column's blocks de-quantized once per block
+// and multiplied into every row. xsum[r * nb + b]: the sum of row r's block b (for the m term).
+template <int64_t F, int R>
+inline void column_rows(const float* x, int64_t k, const float* xsum, const uint8_t* col, int64_t bytes, float* y,
+                        int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block blk = load_block<F>(col + b * bytes);
+    const __m256 d = _mm256_set1_ps(blk.d);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k + b * kBlock;
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), blk.q[0]);
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), blk.q[1], p);
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), blk.q[2], p);
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), blk.q[3], p);
+      acc[r] = _mm256_fmadd_ps(p, d, acc[r]);
+      if constexpr (F != kQ8_0) macc[r] += blk.m * xsum[r * nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + macc[r];
+}
+
+template <int64_t F>
+void gemv_columns(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t bytes,
+                  int64_t n0, int64_t n1, int64_t n, float* y) {
+  const int64_t row_bytes = k / kBlock * bytes, nb = k / kBlock;
+  for (int64_t c = n0; c < n1; ++c) {
+    const uint8_t* col = w + c * row_bytes;
+    if (c + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(col + row_bytes), _MM_HINT_T0);
+    int64_t r = 0;
+    for (; r + kRows <= m; r += kRows)
+      column_rows<F, kRows>(x + r * k, k, xsum + r * nb, col, bytes, y + r * n + c, n);
+    switch (m - r) {
+      case 3: column_rows<F, 3>(x + r * k, k, xsum + r * nb, col, bytes, y + r * n + c, n); break;
+      case 2: column_rows<F, 2>(x + r * k, k, xsum + r * nb, col, bytes, y + r * n + c, n); break;
+      case 1: column_rows<F, 1>(x + r * k, k, xsum + r * nb, col, bytes, y + r * n + c, n); break;
+      default: break;
+    }
+  }
+}
+
+// The reference's values for one block: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (no fma).
+template <int64_t F>
+inline void dequant_block(const uint8_t* b, __m256 out[4]) {
+  const Block blk = load_block<F>(b);
+  const __m256 d = _mm256_set1_ps(blk.d);
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F == kQ4_0)
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(8.0f)));
+    else if constexpr (F == kQ4_1)
+      out[i] = _mm256_add_ps(_mm256_mul_ps(d, blk.q[i]), _mm256_set1_ps(blk.m));
+    else
+      out[i] = _mm256_mul_ps(d, blk.q[i]);
+  }
+}
+
+// 8 registers of 8 (row i: column i's 8 consecutive K values) transposed: row j holds K value j of
+// the 8 columns.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// Panel p of the de-quantized weight: out [K, 48], row k holding W[48p + c, k] (zero past N).
+template <int64_t F>
+void dequant_panel(const uint8_t* w, int64_t bytes, int64_t p, int64_t n, int64_t k, float* out) {
+  const int64_t row_bytes = k / kBlock * bytes, nb = k / kBlock;
+  for (int64_t g = 0; g < kNR / 8; ++g) {  // 8 columns at a time
+    const int64_t c0 = p * kNR + g * 8;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 vals[8][4];
+      for (int c = 0; c < 8; ++c) {
+        if (c0 + c < n) {
+          dequant_block<F>(w + (c0 + c) * row_bytes + b * bytes, vals[c]);
+        } else {
+          for (int i = 0; i < 4; ++i) vals[c][i] = _mm256_setzero_ps();
+        }
+      }
+      for (int i = 0; i < 4; ++i) {  // K values 32b + 8i .. + 8
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) r[c] = vals[c][i];
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + (b * kBlock + 8 * i + j) * kNR + g * 8, r[j]);
+      }
+    }
+  }
+}
+
+template <typename Body>
+void by_format(int64_t format, const Body& body) {
+  switch (format) {
+    case kQ4_0: body(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: body(std::integral_constant<int64_t, kQ4_1>{}); break;
+    default: body(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+}
+#endif
+
+// What both ops take: x a float32 [M, K]; the blocks as check_blocks says; the bias a float32 [N].
+int64_t check_operands(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                       const std::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && !x.is_cuda() && x.dim() == 2, op, ": x must be a float32 [M, K]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                op, ": bias must be a contiguous float32 [N]");
+  return check_blocks(blocks, format, n, x.size(1), op);
+}
+
+// x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32, W the GGUF blocks [N, K/32 * block bytes] of `format`,
+// de-quantized in the registers: for a few rows (decode).
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                      const std::optional<at::Tensor>& bias) {
+  const int64_t bytes = check_operands(x, blocks, format, n, bias, "quant_gemv");
+  const int64_t k = x.size(1), m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+#ifdef KVTOP_QUANT_GEMM
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t nb = k / kBlock;
+  std::vector<float> xsum(m * nb);  // the m term's per-block sums of x, once per call
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = xp + r * k + b * kBlock;
+      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      xsum[r * nb + b] = hsum(s);
+    }
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  // grain: a run of columns worth ~16 KiB of weight per task, so that small projections still split
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (nb * bytes));
+  by_format(format, [&](auto f) {
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      gemv_columns<decltype(f)::value>(xp, m, k, xsum.data(), wp, bytes, n0, n1, n, yp);
+      if (bp)
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = n0; c < n1; ++c) yp[r * n + c] += bp[c];
+    });
+  });
+#endif
+  return out;
+}
+
+// Rows per work item of quant_gemm: a panel is de-quantized once per item (48 x K values, about what
+// 48 rows' FMAs cost), and the item's x rows stay in L2 across the panels a thread takes.
+constexpr int64_t kItemRows = 256;
+
+// x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32, W as quant_gemv takes it: for many rows (prefill). A
+// work item de-quantizes one panel of 48 columns into a thread's [K, 48] buffer (the reference's
+// values) and multiplies it into its rows with fp32_gemm's blocks (csrc/fp32_panel.h).
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                      const std::optional<at::Tensor>& bias) {
+  const int64_t bytes = check_operands(x, blocks, format, n, bias, "quant_gemm");
+  const int64_t k = x.size(1), m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(KVTOP_QUANT_GEMM) && defined(KVTOP_FP32_GEMM)
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t panels = (n + kNR - 1) / kNR;
+  by_format(format, [&](auto f) {
+    kvtop_panels::for_each_item(m, panels, kItemRows, [&](int64_t m0, int64_t m1, int64_t p) {
+      thread_local std::vector<float> panel;
+      panel.resize(k * kNR);
+      dequant_panel<decltype(f)::value>(wp, bytes, p, n, k, panel.data());
+      for (int64_t r = m0; r < m1; r += kvtop_fp32::kMC)
+        kvtop_fp32::panel_item(xp, r, std::min(m1, r + kvtop_fp32::kMC), k, panel.data(), p * kNR, n, bp, yp,
+                               nullptr);
+    });
+  });
+#endif
+  return out;
+}
+
+// Up to this many rows quant_linear de-quantizes in the registers (quant_gemv, which de-quantizes each
+// block again for every kRows rows); above, a panel at a time into a buffer (quant_gemm).
+constexpr int64_t kGemvRows = 4;
+
+// The layer's op (engine/model/quant_linear.py's QuantLinear, and decode_layers' quantized kind):
+// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, computed in fp32 by quant_gemv or quant_gemm.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                        const std::optional<at::Tensor>& bias) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor y = x32.size(0) <= kGemvRows ? quant_gemv(x32, blocks, format, n, bias)
+                                                : quant_gemm(x32, blocks, format, n, bias);
+  return y.to(x.scalar_type());
+}
+
+int64_t quant_gemv_rows() { return kGemvRows; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
+  m.def("quant_linear_supported() -> bool", &quant_linear_supported);
+  m.def("quant_gemv(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_gemv);
+  m.def("quant_gemm(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_gemm);
+  m.def("quant_linear(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_linear);
+  m.def("quant_gemv_rows() -> int", &quant_gemv_rows);
+}

@@ -1,0 +1,102 @@
+"""Linear layers and embeddings whose weight stays in a GGUF block format (issue #41).
+
+A GGUF file's Q8_0, Q4_0 and Q4_1 weights are kept as the file holds them — uint8 [N, K/32 blocks],
+one row of blocks per output column — and multiplied by our kernel (engine/kernels/csrc/quant_gemm.cpp)
+on the CPU where it is built with AVX2 + FMA + F16C: `quant_gemv` de-quantizes inside the registers
+for a few rows (decode, where the weights' bytes set the time), and from `gemv_rows()` + 1 rows
+(prefill, batched decode) `quant_gemm` de-quantizes a panel of 48 columns into a cached fp32 buffer
+once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
+Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
+
+The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
+in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
+logits head's blocks and de-quantizes only the rows it reads: the table is held once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from engine.kernels import cpu
+
+# the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0)
+KERNEL_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def kernel_available() -> bool:
+    """The kernel extension built here with the quantized GEMM (AVX2 + FMA + F16C)."""
+    return cpu.says("quant_linear_supported")
+
+
+def gemv_rows() -> int:
+    """Up to this many rows `quant_linear` de-quantizes in the registers (quant_gemv); above, a panel
+    at a time (quant_gemm). The kernel's constant: one home for it."""
+    return int(torch.ops.kvtop_cpu.quant_gemv_rows())
+
+
+def dequantize(blocks: torch.Tensor, fmt: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """The float32 [N, K] weight of GGUF blocks [N, row bytes] (the `gguf` package's values: the
+    oracle, and what transformers de-quantizes a GGUF file to)."""
+    values = gguf_dequantize(blocks.numpy(), fmt)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(blocks.shape[0], in_features)
+
+
+def row_bytes(fmt: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one output column's blocks."""
+    block, size = GGML_QUANT_SIZES[fmt]
+    return in_features // block * size
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ bias) with W as GGUF blocks of one kernel format; x float32 or bfloat16 (computed
+    in fp32, returned in x's dtype). `blocks` is a buffer: [N, K/32 * block bytes] uint8."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: GGMLQuantizationType, in_features: int, bias=None) -> None:
+        super().__init__()
+        if fmt not in KERNEL_FORMATS:
+            raise TypeError(f"no quantized kernel for {fmt.name}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (self.out_features, row_bytes(fmt, in_features)):
+            raise ValueError(f"{fmt.name} blocks for K={in_features} must be uint8 [N, {row_bytes(fmt, in_features)}]")
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.use_kernel = kernel_available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, n = x.reshape(-1, self.in_features), self.out_features
+        if self.use_kernel:  # decode_layers (csrc/decode_layers.cpp) calls the same op for its quantized kind
+            y = torch.ops.kvtop_cpu.quant_linear(x2, self.blocks, int(self.fmt), n, self.bias)
+        else:
+            y = F.linear(x2.float(), self.dense_weight(), self.bias).to(x.dtype)
+        return y.view(*x.shape[:-1], n)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 [N, K] weight (the reference's de-quantization)."""
+        return dequantize(self.blocks, self.fmt, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table held as GGUF blocks (its own, or a tied logits head's): a lookup
+    de-quantizes only the rows it reads. Any format the `gguf` package de-quantizes."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: GGMLQuantizationType, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fmt, self.embedding_dim, self.dtype = fmt, embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+
+    @classmethod
+    def tied_to(cls, head: QuantLinear, dtype: torch.dtype) -> QuantEmbedding:
+        return cls(head.blocks, head.fmt, head.in_features, dtype)  # the same tensor: held once
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.blocks[ids.reshape(-1)], self.fmt, self.embedding_dim)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
