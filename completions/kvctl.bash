@@ -58,6 +58,7 @@ _kvctl_complete() {
                 --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
                 --max-model-len) COMPREPLY=(); return 0 ;;
                 --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
+                --quantization) COMPREPLY=(); return 0 ;;
                 --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
                 --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
                 --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
@@ -66,7 +67,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--output -o --requests --max-prompt --max-output --prompt-seed --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--output -o --requests --max-prompt --max-output --prompt-seed --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --quantization --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         completion)
@@ -105,10 +106,11 @@ _kvctl_complete() {
                 --memory) COMPREPLY=(); return 0 ;;
                 --gpu-memory-utilization) COMPREPLY=(); return 0 ;;
                 --block-size) COMPREPLY=(); return 0 ;;
+                --quantization) COMPREPLY=(); return 0 ;;
                 --context) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --context --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --quantization --context --json --help" -- "$cur") )
             fi
             ;;
         record)
@@ -159,6 +161,7 @@ _kvctl_complete() {
                 --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
                 --max-model-len) COMPREPLY=(); return 0 ;;
                 --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
+                --quantization) COMPREPLY=(); return 0 ;;
                 --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
                 --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
                 --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
@@ -167,7 +170,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--output -o --max-tokens --temperature --top-p --top-k --ignore-eos --no-ignore-eos --json --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--output -o --max-tokens --temperature --top-p --top-k --ignore-eos --no-ignore-eos --json --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --quantization --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             else
                 COMPREPLY=( $(compgen -f -- "$cur") )
             fi
@@ -205,6 +208,7 @@ _kvctl_complete() {
                 --max-num-batched-tokens) COMPREPLY=(); return 0 ;;
                 --max-model-len) COMPREPLY=(); return 0 ;;
                 --kv-cache-dtype) COMPREPLY=( $(compgen -W "auto fp8_e4m3 int8" -- "$cur") ); return 0 ;;
+                --quantization) COMPREPLY=(); return 0 ;;
                 --attention-backend) COMPREPLY=( $(compgen -W "auto cpu triton reference" -- "$cur") ); return 0 ;;
                 --schedule-policy) COMPREPLY=( $(compgen -W "fcfs lpm" -- "$cur") ); return 0 ;;
                 --preemption-mode) COMPREPLY=( $(compgen -W "recompute swap" -- "$cur") ); return 0 ;;
@@ -213,7 +217,7 @@ _kvctl_complete() {
                 --served-model-name) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --request-timeout --max-connections --max-connections-per-ip --warmup --no-warmup --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--log-level --host --port --socket --api-key --max-queue --stats-interval --history --drain-timeout --snapshot-dir --snapshot-on --storm-preemptions --storm-window --slo-ttft --slo-itl --snapshot-cooldown --max-request-body --read-timeout --request-timeout --max-connections --max-connections-per-ip --warmup --no-warmup --model -m --dtype --device --kv-cache-memory --gpu-memory-utilization --block-size --max-num-seqs --max-num-batched-tokens --max-model-len --enable-prefix-caching --no-enable-prefix-caching --kv-cache-dtype --quantization --attention-backend --schedule-policy --preemption-mode --cpu-offload-memory --seed --served-model-name --help" -- "$cur") )
             fi
             ;;
         snapshot)
