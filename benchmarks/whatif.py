@@ -108,9 +108,9 @@ def error_text(predicted: float | None, measured: float | None, key: str) -> str
 def show(value: float | None, key: str) -> str:
     if value is None:
         return "—"
-    if key.endswith("_s"):
-        return f"{value * 1000:.0f} ms"
-    return f"{value:.1f}" if key == "output_tokens_per_s" else f"{value:.0f}"
+    if key == "output_tokens_per_s":
+        return f"{value:.1f}"
+    return f"{value * 1000:.0f} ms" if key.endswith("_s") else f"{value:.0f}"
 
 
 def main() -> None:
