@@ -3,7 +3,7 @@ that preempts, predict three other configurations from that recording alone, the
 real on the same trace and compare (issue #37: goal 10 % on TTFT P50, end-to-end P50 and
 throughput, preemptions within 20 % or 3; the self-check within 5 %).
 
-    .venv/bin/python benchmarks/whatif.py                       # ~15 min on 2 idle cores
+    .venv/bin/python benchmarks/whatif.py                       # ~10 min on 2 idle cores
     .venv/bin/python benchmarks/whatif.py --runs 1 --num-prompts 30   # a quick look
 
 1. `kvctl serve` at RECORDED (a KV cache too small for the load), `kvctl bench` sends the load
