@@ -190,7 +190,7 @@ def test_every_series_with_an_unusable_value_is_absent_from_the_frame(kind, valu
     if m.histograms:
         assert "latency histograms ttft, itl, e2e, queue hold values kvtop cannot use" in " ".join(frame["unavailable"])
     row = [cell.plain.strip() for cell in cells_of(row_of("u", frame, [frame]))]
-    assert row[2:9] == ["-", "-", "-", "-", "-", "-", "-"]  # KV … ITL p99: nothing usable, no inf %
+    assert row[2:9] == ["–"] * 7  # KV … ITL p99: nothing usable, no inf %
 
 
 def test_a_histogram_whose_buckets_decrease_is_made_cumulative_as_prometheus_does():

@@ -61,6 +61,29 @@ def table_rows(screen: FleetScreen) -> list[Row]:
 
 
 @pytest.mark.anyio
+async def test_at_80_columns_each_engine_shows_its_state_and_the_cursors_whole_error(base):
+    """An 80×24 terminal over SSH: the state is the second column, so the bad engine is seen without
+    scrolling sideways; the header's second line gives the engine under the cursor its whole error."""
+    ok_url, garbage = f"{base}/vllm/0/metrics", f"{base}/garbage"
+    app = KvtopApp(fleet=Fleet([ok_url, garbage], timeout=6.0, interval=0.5), interval=0.2)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.screen
+        await until(pilot, lambda: {r.state for r in screen.rows} == {"ok", "not metrics"}, "a round")
+        table = screen.query_one(DataTable)
+        await pilot.pause(0.1)
+        visible = "\n".join(table.render_line(y).text for y in range(table.size.height))
+        assert "ok" in visible and "not metrics" in visible, visible
+        assert table.scroll_x == 0
+        await until(pilot, lambda: screen.selected() is not None, "a cursor")
+        for _ in range(2):  # two rows: the cursor reaches the bad one
+            if screen.selected().url != garbage:
+                await pilot.press("j")
+        bad = screen.selected()
+        await until(pilot, lambda: f"{garbage}: not metrics: {bad.error}" in text(screen.query_one("#fleet-header")),
+                    "the whole error")  # fmt: skip
+
+
+@pytest.mark.anyio
 async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(base):
     good = [f"{base}/{kind}/{n}/metrics" for n in range(7) for kind in PAGES]  # 21 engines
     bad = {f"{base}/hang": "slow", f"{base}/drip": "slow", f"{base}/garbage": "not metrics"}

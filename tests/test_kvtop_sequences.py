@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from textual import events
 
+from kvtop import fmt
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.messages import SortChosen
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.sequence_detail import SequenceScreen
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable

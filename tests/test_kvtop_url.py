@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input
 
+from kvtop import fmt
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.cli import main
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.header import EngineHeader
 from kvtop.dashboard.widgets.help import HelpScreen

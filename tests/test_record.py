@@ -300,8 +300,8 @@ def test_the_vllm_recording_is_small_real_and_from_vllm():
 
 @pytest.mark.anyio
 async def test_kvtop_replays_the_vllm_recording_with_its_kv_usage_and_no_block_map():
+    from kvtop import fmt
     from kvtop.dashboard.app import KvtopApp
-    from kvtop.dashboard.widgets import fmt
     from kvtop.dashboard.widgets.block_map import BlockMap
     from kvtop.dashboard.widgets.kv_panel import KVPanel
     from kvtop.dashboard.widgets.timeline import Timeline

@@ -83,8 +83,8 @@ def test_the_frame_agrees_with_vllms_own_metrics(vllm_url):
 
 @pytest.mark.anyio
 async def test_kvtop_on_a_real_vllm_under_load_shows_its_kv_usage_and_no_drain_key(vllm_url):
+    from kvtop import fmt
     from kvtop.dashboard.app import KvtopApp
-    from kvtop.dashboard.widgets import fmt
     from kvtop.dashboard.widgets.block_map import BlockMap
     from kvtop.dashboard.widgets.kv_panel import KVPanel
 

@@ -15,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtop.ctl import bench, bench_trace
-from kvtop.dashboard.widgets.fmt import ms
 from kvtop.entry import CLIError
+from kvtop.fmt import ms
 from kvtop.urls import checked_url
 
 bench_app = typer.Typer(help="Load-test an OpenAI-compatible server; compare two runs.", no_args_is_help=False)

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from kvtop.ctl.engine_gate import load_engine
 from kvtop.ctl.options import with_engine_options
-from kvtop.dashboard.widgets.fmt import ms
 from kvtop.entry import CLIError
+from kvtop.fmt import ms
 from kvtop.protocol.config import EngineConfig
 
 out = Console()

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtop import blocks
-from kvtop.dashboard.widgets.fmt import duration, ms
+from kvtop.fmt import duration, ms
 from kvtop.protocol.config import format_bytes
 
 MAP_WIDTH = 96

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtop.ctl.engine_gate import load_engine
-from kvtop.dashboard.widgets.fmt import ms, pct
+from kvtop.fmt import ms, pct
 
 out = Console()
 err = Console(stderr=True)

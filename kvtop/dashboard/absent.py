@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widget import Widget
 from textual.widgets import Static
 
-from kvtop.dashboard.widgets import fmt
+from kvtop import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.view import LinesStatic, View

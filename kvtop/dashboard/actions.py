@@ -22,8 +22,8 @@ from pathlib import Path
 from textual import work
 from textual.screen import Screen
 
+from kvtop import fmt
 from kvtop.dashboard.messages import ActionFinished, FilterChanged, SequenceOpened, SortChosen
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.confirm import ConfirmScreen
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.drain_dialog import DrainRequest, DrainScreen

@@ -25,6 +25,7 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input
 
+from kvtop import fmt
 from kvtop.dashboard import absent
 from kvtop.dashboard.actions import OperatorActions, ReplayActions, SequenceActions
 from kvtop.dashboard.fleet_screen import FleetPoller, FleetScreen
@@ -40,7 +41,6 @@ from kvtop.dashboard.keys import (
     VIEW_KEYS,
 )
 from kvtop.dashboard.messages import FrameArrived, LayoutRebuilt, PollIdle, SequenceSelected, SourceLost
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.block_map import BlockMap
 from kvtop.dashboard.widgets.dashboard import Dashboard
 from kvtop.dashboard.widgets.header import EngineHeader

@@ -21,14 +21,14 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Static
 
+from kvtop import fmt
 from kvtop.dashboard.messages import FleetPolled
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.help import HelpScreen
 from kvtop.dashboard.widgets.sort_picker import SortScreen
 from kvtop.fleet.poller import Row
-from kvtop.fleet.table import ms, n, pct, rate
 
 BAR = 10  # cells of the KV usage bar
+STATE_WIDTH = 24  # cells of a state with its error
 STATE_STYLES = {"ok": "green", "slow": "yellow"}  # unreachable and not metrics: red
 
 
@@ -43,33 +43,34 @@ class FleetPoller(Protocol):
 
 def _kv(r: Row) -> Text:
     if r.kv_usage is None:
-        return Text(f"{'':{BAR}} {'-':>6}")
-    return Text.assemble(fmt.gauge(r.kv_usage, BAR), f" {pct(r.kv_usage):>6}")
+        return Text(f"{'':{BAR}} {fmt.NONE:>6}")
+    return Text.assemble(fmt.gauge(r.kv_usage, BAR), f" {fmt.pct(r.kv_usage):>6}")
 
 
 def _state(r: Row) -> Text:
     if r.state == "ok":
         return Text("ok", "green")
-    return Text(f"{r.state}: {r.error or ''}"[:60], STATE_STYLES.get(r.state, "red"))
+    # second on the line, so short: 80 columns keep it beside the KV bar (the whole error: the header's line 2)
+    return Text(f"{r.state}: {r.error or ''}"[:STATE_WIDTH], STATE_STYLES.get(r.state, "red"))
 
 
 # key: (header, sort key, cell, what sorting by it answers)
 COLUMNS: dict[str, tuple[str, Callable[[Row], object], Callable[[Row], object], str]] = {
     "engine": ("engine", lambda r: r.url, lambda r: Text(r.url), "the engine's URL"),
-    "kind": ("kind", lambda r: r.kind, lambda r: r.kind or "-", "kind (vllm, sglang, llamacpp, kvtop)"),
+    "state": ("state", lambda r: (r.state == "ok", r.state), _state, "state (bad ones first)"),
     "kv": ("KV", lambda r: r.kv_usage, _kv, "KV cache usage"),
-    "running": ("run", lambda r: r.running, lambda r: n(r.running), "requests running"),
-    "waiting": ("wait", lambda r: r.waiting, lambda r: n(r.waiting), "requests waiting"),
+    "running": ("run", lambda r: r.running, lambda r: fmt.count(r.running), "requests running"),
+    "waiting": ("wait", lambda r: r.waiting, lambda r: fmt.count(r.waiting), "requests waiting"),
     "preempt": (
         "preempt/s",
         lambda r: r.preemptions_per_s,
-        lambda r: rate(r.preemptions_per_s),
+        lambda r: fmt.rate(r.preemptions_per_s),
         "preemptions/s over the last 30 s",
     ),
-    "hit": ("prefix hit", lambda r: r.prefix_hit_rate, lambda r: pct(r.prefix_hit_rate), "prefix-cache hit rate"),
-    "ttft": ("TTFT p99 ms", lambda r: r.ttft_p99, lambda r: ms(r.ttft_p99), "TTFT P99 over the last minute"),
-    "itl": ("ITL p99 ms", lambda r: r.itl_p99, lambda r: ms(r.itl_p99), "ITL P99 over the last minute"),
-    "state": ("state", lambda r: (r.state == "ok", r.state), _state, "state (bad ones first)"),
+    "hit": ("prefix hit", lambda r: r.prefix_hit_rate, lambda r: fmt.pct(r.prefix_hit_rate), "prefix-cache hit rate"),
+    "ttft": ("TTFT p99 ms", lambda r: r.ttft_p99, lambda r: fmt.ms(r.ttft_p99), "TTFT P99 over the last minute"),
+    "itl": ("ITL p99 ms", lambda r: r.itl_p99, lambda r: fmt.ms(r.itl_p99), "ITL P99 over the last minute"),
+    "kind": ("kind", lambda r: r.kind, lambda r: r.kind or fmt.NONE, "kind (vllm, sglang, llamacpp, kvtop)"),
 }
 TEXT_COLUMNS = ("engine", "kind", "state")
 
@@ -144,6 +145,11 @@ class FleetScreen(Screen):
 
     def draw(self) -> None:
         self._fill(self.query_one(DataTable))
+        self._draw_header()
+
+    def _draw_header(self) -> None:
+        """Line 1: the fleet, its round and sort; line 2: the engine under the cursor — its whole
+        error where it is not ok (the table's state column holds STATE_WIDTH cells of it)."""
         bad = sum(r.state != "ok" for r in self.rows)
         when = f"round at {fmt.clock(self.polled_at)}, every {self.fleet.interval:g}s" if self.polled_at else "polling…"
         if self.error:
@@ -156,9 +162,23 @@ class FleetScreen(Screen):
                 (f"{len(self.rows)} engines", "bold"),
                 f", {len(self.rows) - bad} ok",
                 (f", {bad} not ok" if bad else "", "bold red"),
-                f" · {when} · sort {COLUMNS[self.sort][0]} {arrow} · enter opens one",
+                f" · {when} · sort {COLUMNS[self.sort][0]} {arrow} · enter opens one\n",
+                self._cursor_line(),
             )
         )
+
+    def _cursor_line(self) -> Text:
+        row = self.selected()
+        if row is None:
+            return Text("")
+        if row.state != "ok":
+            return Text(f"{row.url}: {row.state}: {row.error or ''}", STATE_STYLES.get(row.state, "red"))
+        return Text(f"{row.url} · {row.kind or fmt.NONE} · {row.model or fmt.NONE}", "dim")
+
+    @on(DataTable.RowHighlighted)
+    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        self._draw_header()
 
     def _fill(self, table: DataTable) -> None:
         """The rows in the chosen order. An engine whose row did not change keeps its cells (a big

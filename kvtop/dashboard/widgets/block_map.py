@@ -16,8 +16,8 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 
+from kvtop import fmt
 from kvtop.blocks import summarise  # the fold kvctl status uses too: a range reads the same on both
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.view import LinesStatic, View, set_border
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from rich.text import Text
 
-from kvtop.dashboard.widgets import fmt
+from kvtop import fmt
 from kvtop.dashboard.widgets.view import Panel, View, set_border
 from kvtop.sources import BURSTY_EVENTS, NOTABLE_EVENTS
 

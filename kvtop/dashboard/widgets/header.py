@@ -12,7 +12,8 @@ import time
 
 from rich.text import Text
 
-from kvtop.dashboard.widgets import fmt, series
+from kvtop import fmt
+from kvtop.dashboard.widgets import series
 from kvtop.dashboard.widgets.view import LinesStatic, View
 from kvtop.diagnosis import diagnose
 

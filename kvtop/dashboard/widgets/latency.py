@@ -12,7 +12,8 @@ from bisect import bisect_left
 
 from rich.text import Text
 
-from kvtop.dashboard.widgets import fmt, series
+from kvtop import fmt
+from kvtop.dashboard.widgets import series
 from kvtop.dashboard.widgets.view import Panel, View, set_border
 
 METRICS = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e"), ("queue", "queue"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvtop.dashboard.widgets import fmt
+from kvtop import fmt
 from kvtop.dashboard.widgets.view import Panel, View
 
 

@@ -14,7 +14,7 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
-from kvtop.dashboard.widgets import fmt
+from kvtop import fmt
 from kvtop.dashboard.widgets.dialog import Dialog
 from kvtop.dashboard.widgets.view import View
 

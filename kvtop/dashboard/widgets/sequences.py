@@ -22,8 +22,8 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Input
 
+from kvtop import fmt
 from kvtop.dashboard.messages import FilterChanged, SequenceOpened, SequenceSelected, SortChosen
-from kvtop.dashboard.widgets import fmt
 from kvtop.dashboard.widgets.view import SORT_COLUMNS, LinesStatic, View, ViewState, set_border
 
 ID_WIDTH = 12

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvtop.dashboard.widgets import fmt, series
+from kvtop import fmt
+from kvtop.dashboard.widgets import series
 from kvtop.dashboard.widgets.header import rejected_summary
 from kvtop.dashboard.widgets.view import Panel, View
 from kvtop.rates import RATE_WINDOW_S

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from kvtop.dashboard.widgets import fmt
+from kvtop import fmt
 from kvtop.sources import ReplaySource
 
 MARKS = {"preempted": "p", "aborted": "a", "evicted": "e", "prefix_evicted": "e", "drain_started": "d", "drain_finished": "d",

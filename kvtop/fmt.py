@@ -1,4 +1,5 @@
-"""Formatting shared by the panels: sizes, durations, times, sparklines and gauges as plain text.
+"""Formatting, one home for the panels, kvctl's tables and the fleet: sizes, durations, times,
+counts, rates, sparklines and gauges as plain text.
 
 Everything here returns strings or rich Text so that a panel reads the same in 16 colours and
 under NO_COLOR: colour only ever repeats what the characters already say. A figure that is not a
@@ -19,6 +20,11 @@ from kvtop.sources.prometheus import number
 
 SPARK = "▁▂▃▄▅▆▇█"
 NONE = "–"  # no data yet (never 0: a zero is a measurement)
+
+
+def count(v: object) -> str:
+    """A count as the engine said it: 12; NONE where it is not a usable number."""
+    return NONE if number(v) is None else str(v)
 
 
 def mib(n: float | None) -> str:
