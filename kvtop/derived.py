@@ -18,18 +18,10 @@ from __future__ import annotations
 from itertools import pairwise
 
 from kvtop.diagnosis import KV_FULL
-from kvtop.rates import same_run
-from kvtop.sources.prometheus import number
+from kvtop.rates import figure, same_run
 
 QUEUE_JUMP = 4  # requests: the queue growing by this many between two frames is an event
 DERIVED_KINDS = ("preempted", "kv_full", "queue_grew")
-
-
-def _get(frame: dict, path: str) -> float | None:
-    node: object = frame
-    for key in path.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
-    return number(node)
 
 
 def _event(frame: dict, kind: str, detail: str) -> dict:
@@ -38,18 +30,18 @@ def _event(frame: dict, kind: str, detail: str) -> dict:
 
 def derive(before: dict, after: dict) -> list[dict]:
     """The events between `before` and `after` (see the module docstring); [] across a restart."""
-    if not same_run(before, after) or not (_get(after, "ts") or 0) > (_get(before, "ts") or 0):
+    if not same_run(before, after) or not (figure(after, "ts") or 0) > (figure(before, "ts") or 0):
         return []
     out = []
-    p0, p1 = _get(before, "scheduler.preemptions_total"), _get(after, "scheduler.preemptions_total")
+    p0, p1 = figure(before, "scheduler.preemptions_total"), figure(after, "scheduler.preemptions_total")
     if p0 is not None and p1 is not None and p1 > p0:
         out.append(_event(after, "preempted", f"{p1 - p0:.0f} preempted (the preemption counter {p0:.0f} → {p1:.0f})"))
-    u0, u1 = _get(before, "kv.usage"), _get(after, "kv.usage")
+    u0, u1 = figure(before, "kv.usage"), figure(after, "kv.usage")
     if u0 is not None and u1 is not None and u0 < KV_FULL <= u1:
         out.append(
             _event(after, "kv_full", f"KV usage {u0 * 100:.1f} % → {u1 * 100:.1f} %, past {KV_FULL * 100:.0f} %")
         )
-    w0, w1 = _get(before, "scheduler.waiting"), _get(after, "scheduler.waiting")
+    w0, w1 = figure(before, "scheduler.waiting"), figure(after, "scheduler.waiting")
     if w0 is not None and w1 is not None and w1 - w0 >= QUEUE_JUMP:
         out.append(_event(after, "queue_grew", f"{w1 - w0:.0f} more waiting ({w0:.0f} → {w1:.0f})"))
     return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtop.rates import RATE_WINDOW_S, Rate, run_window, window_increase, window_values
+from kvtop.rates import RATE_WINDOW_S, Rate, figure, run_window, window_increase, window_values
 from kvtop.sources.prometheus import number
 
 THRASH_HIT_RATE = 0.1  # prefix hits below this share of looked-up tokens…
@@ -77,17 +77,8 @@ def allocatable(kv: dict) -> int:
     return int(number(kv.get("free")) or 0)
 
 
-def _value(frame: dict, path: str) -> float | None:
-    node: object = frame
-    for key in path.split("."):
-        if not isinstance(node, dict) or node.get(key) is None:
-            return None
-        node = node[key]
-    return number(node)
-
-
 def _get(frame: dict, path: str) -> float:
-    return _value(frame, path) or 0.0
+    return figure(frame, path) or 0.0
 
 
 def _kind(frame: dict) -> str:
@@ -98,7 +89,7 @@ def _kind(frame: dict) -> str:
 
 def _waiting(frame: dict) -> tuple[int, str]:
     """(requests waiting, how to say it): vLLM's waiting for capacity where it serves that count."""
-    capacity = _value(frame, "scheduler.waiting_for_capacity")
+    capacity = figure(frame, "scheduler.waiting_for_capacity")
     if capacity is not None:
         return int(capacity), f"{int(capacity)} waiting for capacity"
     waiting = int(_get(frame, "scheduler.waiting"))
@@ -107,7 +98,7 @@ def _waiting(frame: dict) -> tuple[int, str]:
 
 def _queued(frame: dict) -> str:
     """`, queued p95 2.1 s` from the queue-time histogram's last minute, where the engine serves one."""
-    p95 = _value(frame, "latency.queue.window.p95")
+    p95 = figure(frame, "latency.queue.window.p95")
     return "" if p95 is None else f", queued p95 {p95:.1f} s"
 
 
@@ -151,7 +142,7 @@ def _kv_bound(frame: dict) -> str:
         if allocatable(frame.get("kv") or {}) > 0:
             return ""
         return f"{said}, 0 free blocks: KV-bound — {more_kv}"
-    usage = _value(frame, "kv.usage")  # the others serve a usage, never a free-block count
+    usage = figure(frame, "kv.usage")  # the others serve a usage, never a free-block count
     if usage is None or usage < KV_FULL:
         return ""
     return f"{said}{_queued(frame)}, KV {_pct(usage)} used: KV-bound — {more_kv}"

@@ -35,7 +35,9 @@ class Rate:
         return self.increase / self.seconds
 
 
-def _get(frame: dict, path: str) -> float | None:
+def figure(frame: dict, path: str) -> float | None:
+    """The usable number at `path` ("a.b": `frame["a"]["b"]`), or None where a key is missing or
+    null or the value is not one (`kvtop.sources.prometheus.number`): one reading for every module."""
     node: object = frame
     for key in path.split("."):
         if not isinstance(node, dict) or node.get(key) is None:
@@ -46,10 +48,10 @@ def _get(frame: dict, path: str) -> float | None:
 
 def engine_start(frame: dict) -> float | None:
     """When the engine that sent `frame` started (unix seconds), or None where the frame does not say."""
-    start = _get(frame, "engine.start_time")
+    start = figure(frame, "engine.start_time")
     if start is not None:
         return start
-    ts, up = _get(frame, "ts"), _get(frame, "engine.uptime_s")
+    ts, up = figure(frame, "ts"), figure(frame, "engine.uptime_s")
     return None if ts is None or up is None else ts - up
 
 
@@ -65,13 +67,13 @@ def run_window(history: list[dict], window_s: float = RATE_WINDOW_S) -> list[dic
     if not history:
         return []
     last = history[-1]
-    since = (_get(last, "ts") or 0.0) - window_s
+    since = (figure(last, "ts") or 0.0) - window_s
     out = [last]
     for f in reversed(history[:-1]):  # newest first: only the window's frames are read
-        ts = _get(f, "ts")
+        ts = figure(f, "ts")
         if ts is None or ts < since - 1e-9 or not same_run(f, last):
             break
-        if ts < (_get(out[-1], "ts") or 0.0):
+        if ts < (figure(out[-1], "ts") or 0.0):
             out.append(f)
     return out[::-1]
 
@@ -84,13 +86,13 @@ def increase(values: list[float]) -> float:
 def window_increase(history: list[dict], path: str, window_s: float = RATE_WINDOW_S) -> Rate | None:
     """The increase of the counter at `path` over the window, or None where fewer than two frames
     of the run carry it."""
-    frames = [f for f in run_window(history, window_s) if _get(f, path) is not None]
+    frames = [f for f in run_window(history, window_s) if figure(f, path) is not None]
     if len(frames) < 2:
         return None
-    seconds = (_get(frames[-1], "ts") or 0.0) - (_get(frames[0], "ts") or 0.0)
+    seconds = (figure(frames[-1], "ts") or 0.0) - (figure(frames[0], "ts") or 0.0)
     if seconds <= 0:
         return None
-    return Rate(increase([_get(f, path) or 0.0 for f in frames]), seconds)
+    return Rate(increase([figure(f, path) or 0.0 for f in frames]), seconds)
 
 
 def window_rate(history: list[dict], path: str, window_s: float = RATE_WINDOW_S) -> float | None:
@@ -101,4 +103,4 @@ def window_rate(history: list[dict], path: str, window_s: float = RATE_WINDOW_S)
 
 def window_values(history: list[dict], path: str, window_s: float = RATE_WINDOW_S) -> list[float]:
     """The gauge at `path` in each frame of the window that carries it, oldest first."""
-    return [v for f in run_window(history, window_s) if (v := _get(f, path)) is not None]
+    return [v for f in run_window(history, window_s) if (v := figure(f, path)) is not None]

@@ -4,6 +4,7 @@ second, for tests that check what Prometheus makes of a real server's /metrics."
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import time
@@ -11,11 +12,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.vllm_server import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 READY_TIMEOUT_S = 120  # a busy 2-core box
+MISSING = "no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)"
+
+
+def require_prometheus() -> None:
+    """Skip where Prometheus is not installed; fail in CI (CI=true), whose .ci/run installs it."""
+    if PROMETHEUS is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{MISSING}; in CI (CI=true) these tests must run")
+        pytest.skip(MISSING)
 
 
 @contextlib.contextmanager
@@ -23,7 +34,7 @@ def prometheus(targets: dict[str, str], tmp: Path) -> Iterator[str]:
     """Prometheus scraping each job's URL (`{job: "http://host:port/metrics"}`) every second;
     yields its base URL once ready, stops it after."""
     if PROMETHEUS is None:
-        raise RuntimeError("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)")
+        raise RuntimeError(MISSING)
     jobs = ""
     for job, url in targets.items():
         u = httpx.URL(url)

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from urllib.parse import parse_qs, urlsplit
 
-import httpx
 import pytest
 from textual.widgets import DataTable
 
@@ -28,9 +24,12 @@ from kvtop.fleet import Fleet
 from kvtop.fleet.poller import Row
 from kvtop.fleet.prometheus import PrometheusFleet
 from kvtop.sources.prometheus import delta, histogram_quantile, parse
+from tests import prometheus_server
 from tests.helpers import PageHandler
 from tests.helpers import widget_text as text
+from tests.prometheus_server import require_prometheus
 from tests.test_fleet import PAGES, Server, Targets
+from tests.vllm_server import free_port
 
 SIZE = (160, 48)
 
@@ -145,51 +144,21 @@ async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(b
         await until(pilot, lambda: app.return_code == 0, "kvtop to quit")
 
 
-PROMETHEUS = shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prometheus(tmp_path):
     """A real Prometheus scraping three loopback targets every second: a recorded vLLM, a recorded
     SGLang, and one that answers garbage. Yields (its URL, {job: the target's scrape URL})."""
-    if PROMETHEUS is None:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)")
-    servers, jobs = [], {}
+    require_prometheus()
+    servers, targets = [], {}
     for job, path in (("vllm", "/vllm/0/metrics"), ("sglang", "/sglang/0/metrics"), ("garbage", "/garbage")):
         server = Server(("127.0.0.1", 0), type("FreshTargets", (Targets,), {"seen": set()}))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-        jobs[job] = (f"127.0.0.1:{server.server_address[1]}", path)
-    config = "global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n" + "".join(
-        f"  - {{job_name: {job}, metrics_path: '{path}', static_configs: [{{targets: ['{target}']}}]}}\n"
-        for job, (target, path) in jobs.items()
-    )
-    (tmp_path / "prometheus.yml").write_text(config)
-    port = free_port()
-    with open(tmp_path / "prometheus.log", "w") as log:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+        targets[job] = f"http://127.0.0.1:{server.server_address[1]}{path}"
     try:
-        for _ in range(300):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
-            time.sleep(0.1)
-        yield url, {job: f"http://{target}{path}" for job, (target, path) in jobs.items()}
+        with prometheus_server.prometheus(targets, tmp_path) as url:
+            yield url, targets
     finally:
-        proc.terminate()
-        proc.wait(20)
         for server in servers:
             server.shutdown()
 

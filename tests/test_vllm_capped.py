@@ -9,15 +9,13 @@ absence is a failure (tests/test_vllm_live.py says how it is installed).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvtop.sources.metrics import MetricsSource
 from tests.helpers import until
 from tests.helpers import widget_text as text
 from tests.server_harness import kvctl, short_tmpdir
-from tests.vllm_server import Load, samples, vllm_server, vllm_venv
+from tests.vllm_server import Load, require_vllm, samples, vllm_server
 
 MAX_NUM_SEQS = 4
 CLIENTS = 12
@@ -25,11 +23,7 @@ CLIENTS = 12
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_installed() -> None:
-    if vllm_venv() is None:
-        why = "vLLM is not installed: run `make vllm` (it goes to $KVTOP_CACHE/venv-vllm)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why}; in CI (CI=true) these tests must run: .ci/run installs it")
-        pytest.skip(why)
+    require_vllm()
 
 
 @pytest.fixture(scope="module")

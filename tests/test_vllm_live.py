@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from kvtop.sources.metrics import MetricsSource
 from tests.helpers import until
 from tests.helpers import widget_text as text
 from tests.server_harness import kvctl, short_tmpdir
-from tests.vllm_server import CounterLog, Load, samples, vllm_server, vllm_venv
+from tests.vllm_server import CounterLog, Load, require_vllm, samples, vllm_server
 
 NUM_BLOCKS = 20  # of 128 tokens (vLLM's least for --max-model-len 2048 is 17): 12 clients preempt
 PREEMPTING_CLIENTS = 12
@@ -35,11 +34,7 @@ PREEMPTING_CLIENTS = 12
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_installed() -> None:
-    if vllm_venv() is None:
-        why = "vLLM is not installed: run `make vllm` (it goes to $KVTOP_CACHE/venv-vllm)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why}; in CI (CI=true) these tests must run: .ci/run installs it")
-        pytest.skip(why)
+    require_vllm()
 
 
 @pytest.fixture(scope="module")
@@ -226,10 +221,9 @@ def test_every_grafana_query_returns_data_from_a_real_prometheus_scraping_vllm(v
     """Each query of the Grafana dashboard, asked of a real Prometheus that scrapes this vLLM
     every second under a load, answers a number for this server's instance (one series per
     instance: several servers are several lines)."""
-    from tests.prometheus_server import PROMETHEUS, prometheus, query
+    from tests.prometheus_server import prometheus, query, require_prometheus
 
-    if PROMETHEUS is None:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)")
+    require_prometheus()
     queries = grafana_queries()
     assert len(queries) >= 20 and not any("time_per_output_token_seconds_bucket" in q and "request_" not in q
                                           for _, q in queries)  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvtop.protocol.paths import cache_dir
 
@@ -146,3 +147,12 @@ class CounterLog:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+
+
+def require_vllm() -> None:
+    """Skip where vLLM's CPU build is not installed; fail in CI (CI=true), whose .ci/run installs it."""
+    if vllm_venv() is None:
+        why = "vLLM is not installed: run `make vllm` (it goes to $KVTOP_CACHE/venv-vllm)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}; in CI (CI=true) these tests must run: .ci/run installs it")
+        pytest.skip(why)
