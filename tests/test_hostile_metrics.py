@@ -33,7 +33,7 @@ import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtop.dashboard import absent
+from kvtop.dashboard import partial
 from kvtop.dashboard.app import KvtopApp
 from kvtop.dashboard.fleet_screen import FleetScreen, cells_of
 from kvtop.dashboard.widgets.header import EngineHeader, engine_line, glance_line
@@ -465,7 +465,7 @@ def test_any_values_through_mapping_frame_diagnosis_and_drawing(kind, data):
         assert all(c >= 0 for c in h["counts"]) and h["count"] == sum(h["counts"])
     view = View(frame, frames, [])
     assert all(isinstance(line, str) for line in diagnose(frame, frames[:1]))
-    engine_line(view, None), glance_line(view, False), absent.kv_partial(frame, 80)
+    engine_line(view, None), glance_line(view, False), partial.kv_partial(frame, 80)
     for panel in (KVPanel, LatencyPanel, ThroughputPanel, PrefixPanel):
         panel().draw(view, 80, 30)
     cells_of(row_of("u", frame, frames))

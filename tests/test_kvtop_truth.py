@@ -160,7 +160,7 @@ def vllm_frame(ts: float = 1000.0, **parts: dict) -> dict:
         "prefix": {}, "events": [],
     }  # fmt: skip
     for section, values in parts.items():
-        f[section] = {**f[section], **values}
+        f[section] = {**f.get(section, {}), **values}
     return f
 
 
@@ -467,6 +467,29 @@ def test_derived_events_from_counter_jumps_and_crossings_are_labelled_derived():
     assert derive(g, restarted) == []  # another run: its counters began again
 
 
+def test_rejections_and_a_collapsing_prefix_hit_rate_are_derived_once():
+    """vLLM's admission rejections rising is an event; so is the prefix cache's hit rate over the
+    last window falling below half of the run's — once, when it crosses, not every frame after."""
+    from kvtop.derived import derive
+
+    def at(ts: float, rejected: int, recent: float) -> dict:
+        return vllm_frame(ts=ts, scheduler={"rejections_total": rejected},
+                          prefix={"hit_rate": 0.6, "window_hit_rate": recent}, throughput={"window_s": 30.0})  # fmt: skip
+
+    a, b, c = at(1000.0, 2, 0.62), at(1001.0, 7, 0.1), at(1002.0, 7, 0.05)
+    events = derive(a, b)
+    assert [e["kind"] for e in events] == ["rejected", "prefix_collapsed"]
+    assert events[0]["detail"] == "derived: 5 turned away by a queue limit (the counter 2 → 7)"
+    assert events[1]["detail"] == (
+        "derived: prefix hit rate over the last 30 s 10.0 % (was 62.0 %), below half the run's 60.0 %"
+    )
+    assert derive(b, c) == []  # still collapsed: no new event
+    low = vllm_frame(prefix={"hit_rate": 0.1, "window_hit_rate": 0.08})
+    assert (
+        derive(low, vllm_frame(ts=1001.0, prefix={"hit_rate": 0.1, "window_hit_rate": 0.0})) == []
+    )  # no cache to lose
+
+
 @pytest.mark.anyio
 async def test_a_vllm_recording_replays_with_derived_markers_on_the_timeline(tmp_path):
     """A recording of vLLM's /metrics has no event log: the preemptions and the KV filling up are
@@ -476,14 +499,15 @@ async def test_a_vllm_recording_replays_with_derived_markers_on_the_timeline(tmp
     from kvtop.sources import ReplaySource
 
     frames = [vllm_frame(ts=1000.0 + i, kv={"usage": 0.5 if i < 20 else 0.95},
-                         scheduler={"waiting": 0, "preemptions_total": 1 if i < 30 else 4}) for i in range(40)]  # fmt: skip
+                         scheduler={"waiting": 0, "preemptions_total": 1 if i < 30 else 4,
+                                    "rejections_total": 0 if i < 35 else 2}) for i in range(40)]  # fmt: skip
     path = write_snapshot(tmp_path / "vllm.kvsnap", model="m", config={}, reason="recorded", frames=frames, events=[])
     source = ReplaySource.open(path)
-    assert [e["kind"] for e in source.marked_events] == ["kv_full", "preempted"]
+    assert [e["kind"] for e in source.marked_events] == ["kv_full", "preempted", "rejected"]
     app = KvtopApp(source)
     async with app.run_test(size=(160, 48)) as pilot:
         marks = lambda: text(app.query_one(Timeline)).splitlines()[-1]  # noqa: E731
-        await until(pilot, lambda: "k" in marks() and "p" in marks(), "the derived marks")
-        assert marks().index("k") < marks().index("p")  # the KV filled before the preemptions
+        await until(pilot, lambda: all(m in marks() for m in "kpx"), "the derived marks")
+        assert marks().index("k") < marks().index("p") < marks().index("x")  # KV filled, then preempted, rejected
         await pilot.press("G")
         await until(pilot, lambda: "derived: 3 preempted" in text(app.query_one(EventsPanel)), "the derived event")

@@ -22,6 +22,7 @@ from kvtop.dashboard.widgets.header import EngineHeader
 from kvtop.dashboard.widgets.help import HelpScreen
 from kvtop.dashboard.widgets.kv_panel import KVPanel
 from kvtop.dashboard.widgets.latency import LatencyPanel
+from kvtop.dashboard.widgets.memory import MemoryPanel
 from kvtop.dashboard.widgets.sequences import SequencesPanel, SequencesTable
 from kvtop.dashboard.widgets.snapshot_dialog import SnapshotScreen
 from kvtop.fleet import Fleet
@@ -91,7 +92,11 @@ async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_k
             assert f"{socket_frame['kv']['block_size']} tok/block" in kv
             ttft = socket_frame["latency"]["ttft"]["count"]
             assert ttft == 1 and f"all n={ttft}" in text(app.query_one(LatencyPanel))
-            assert "/metrics carries no block map (kvtop --socket shows it)" in grid(app)
+            # no block map over /metrics: a strip of the counts by state, saying it is derived and where the map is
+            strip = " ".join(grid(app).split())
+            assert "/metrics carries no block map (kvtop --socket shows it)" in strip and "derived from" in strip
+            counts = socket_frame["kv"]
+            assert f"{counts['used']} used" in strip and f"{counts['free']} free" in strip, strip
             assert "kvtop via /metrics, no controls" in text(app.query_one(EngineHeader))
             await no_action_answers(pilot, app)
     finally:
@@ -104,16 +109,35 @@ async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(bas
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.source.current and app.source.current["throughput"], "two scrapes")
         await pilot.pause(0.3)
-        assert grid(app).strip() == "vLLM exposes no block map"  # one line, not a map of dots
-        assert app.query_one(BlockMap).query_one("#block-grid").size.height == 1  # and on screen, not 0 rows high
-        assert notes(app, SequencesPanel) == "vLLM exposes no per-sequence table"
-        assert not app.query_one(SequencesTable).display
-        kv = text(app.query_one(KVPanel))
+        # no block map: a strip of used / free from vLLM's usage over its 363 blocks, labelled as derived
+        usage = app.source.current["kv"]["usage"]
+        strip = grid(app)
+        assert strip.splitlines()[0].split() == [
+            "█",
+            str(round(usage * 363)),
+            "used",
+            "░",
+            str(363 - round(usage * 363)),
+            "free",
+        ]
+        assert "derived from the KV usage" in " ".join(strip.split()) and "vLLM exposes no block map" in " ".join(
+            strip.split()
+        )
+        assert app.query_one(BlockMap).query_one("#block-grid").size.height == len(strip.splitlines())  # on screen
+        # no per-sequence table: running and waiting by reason, and the finished requests' lengths
+        seqs = notes(app, SequencesPanel)
+        assert seqs.startswith("8 running · 0 waiting (0 for capacity, 0 deferred)"), seqs
         assert (
-            kv.splitlines()[0].endswith("2.5%") and "363 blocks · 128 tok/block" in kv
-        )  # cache_config_info less the null block
-        # vLLM serves no used / cached / free blocks: one line says so, no column of dashes or zeros
-        assert kv.splitlines()[2] == "vLLM serves no block counts by state (used, cached, free)"
+            "prompt  P50 ≈75 · P95 ≈98 · P99 ≈100 tokens" in seqs
+            and "derived: vLLM serves no per-sequence table" in seqs
+        )
+        assert not app.query_one(SequencesTable).display
+        assert not app.query_one(MemoryPanel).display  # nothing to feed it: collapsed, the throughput beside it widens
+        assert "no figures for: memory" in text(app.query_one(KVPanel))
+        kv = text(app.query_one(KVPanel))
+        assert kv.splitlines()[0].endswith("2.5%") and "blocks 363 × 128 tokens" in kv  # less the null block
+        # vLLM serves no used / cached / free blocks: a line says so (wrapped to the panel, not cut), no dashes or zeros
+        assert "\nvLLM serves no block counts by state\n(used, cached, free)\n" in kv, kv
         assert "–" not in kv and " 0 " not in kv
         assert "smollm2-135m" in text(app.query_one(EngineHeader))
         await no_action_answers(pilot, app)

@@ -319,9 +319,55 @@ async def test_kvtop_replays_the_vllm_recording_with_its_kv_usage_and_no_block_m
         assert source.index == busiest and source.error is None
         usage = snap.frames[busiest]["kv"]["usage"]
         kv = text(app.query_one(KVPanel))
-        assert kv.splitlines()[0].endswith(fmt.pct(usage)) and "128 tok/block" in kv
-        assert text(app.query_one(BlockMap).query_one("#block-grid")).strip() == "vLLM exposes no block map"
+        assert kv.splitlines()[0].endswith(fmt.pct(usage)) and "× 128 tokens" in kv
+        strip = text(app.query_one(BlockMap).query_one("#block-grid"))  # no map: used / free from the usage
+        blocks = snap.frames[busiest]["kv"]["num_blocks"]
+        assert strip.splitlines()[0].split()[:3] == ["█", str(round(usage * blocks)), "used"], strip
+        assert "vLLM exposes no block map" in " ".join(strip.split())
         await pilot.press("q")
+
+
+PRESSURE_SNAPSHOT = VLLM_SNAPSHOT.with_name("vllm-under-pressure.kvsnap")  # scripts/record_vllm_incident.py
+
+
+@pytest.mark.anyio
+async def test_a_real_vllm_under_pressure_replays_with_its_panels_derived_and_its_incidents_marked():
+    """The recording behind docs/dashboard.md's screens: vLLM short of KV (it preempts), of queue (it
+    turns requests away) and, at the end, of prefix hits. Replayed at the moment of those screens,
+    the block map is a strip, the sequences panel running / waiting by reason with the requests'
+    lengths, memory (which vLLM does not serve) collapsed; the timeline marks what was derived."""
+    from kvtop import fmt
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets.block_map import BlockMap
+    from kvtop.dashboard.widgets.events import EventsPanel
+    from kvtop.dashboard.widgets.memory import MemoryPanel
+    from kvtop.dashboard.widgets.sequences import SequencesPanel
+    from kvtop.dashboard.widgets.timeline import Timeline
+    from tests.helpers import widget_text as text
+
+    source = ReplaySource.open(PRESSURE_SNAPSHOT)
+    assert {e["kind"] for e in source.marked_events} >= {"preempted", "rejected", "kv_full", "prefix_collapsed"}
+    app = KvtopApp(source)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        assert not source.playing  # a replay opens paused
+        source.seek(29.0)
+        app.redraw()
+        frame = source.current
+        s = frame["scheduler"]
+        strip = text(app.query_one(BlockMap).query_one("#block-grid"))
+        used = round(frame["kv"]["usage"] * frame["kv"]["num_blocks"])
+        assert strip.splitlines()[0].split()[:3] == ["█", str(used), "used"]
+        seqs = " ".join(text(n) for n in app.query_one(SequencesPanel).query(".absent-note"))
+        assert seqs.startswith(f"{s['running']} running · {s['waiting']} waiting ({s['waiting_for_capacity']} for")
+        assert "prompt  P50 ≈" in seqs and "output  P50 ≈" in seqs and "queued  P50" in seqs
+        assert f"{s['preemptions_total']} preempted · {s['rejections_total']} turned away" in seqs
+        assert not app.query_one(MemoryPanel).display
+        events = text(app.query_one(EventsPanel))
+        assert "derived: " in events and "requests/s" in events  # the rejections, folded into one line
+        marks = text(app.query_one(Timeline)).splitlines()[-1]
+        assert all(m in marks for m in "pxkh"), marks
+        assert fmt.pct(frame["kv"]["usage"]) in strip
 
 
 def test_a_file_that_appears_while_recording_is_kept_and_the_recording_goes_beside_it(vllm_pages, tmp_path):

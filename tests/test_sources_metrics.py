@@ -172,12 +172,22 @@ def test_a_real_vllm_recording_under_load():
     frame = frame_of("vllm_real_t1.prom", "vllm_real_t2.prom", step=MIN_WINDOW_S)
     engine = {"kind": "vllm", "model": "smollm2-135m", "state": "running", "start_time": pytest.approx(1796114007.68)}
     assert frame["engine"] == engine  # start_time: its process_start_time_seconds
-    assert frame["scheduler"] == {"running": 8, "waiting": 0, "waiting_for_capacity": 0, "preemptions_total": 0}
+    assert frame["scheduler"] == {"running": 8, "waiting": 0, "waiting_for_capacity": 0, "waiting_deferred": 0,
+                                  "preemptions_total": 0, "rejections_total": 0}  # fmt: skip
+    # the sequences panel's stand-in: the finished requests' lengths, from vLLM's histograms
+    prompts, outputs = frame["requests"]["prompt_tokens"], frame["requests"]["generation_tokens"]
+    assert (prompts["count"], prompts["sum"], outputs["count"], outputs["sum"]) == (12, 626, 12, 192)
+    assert 50 <= prompts["p50"] <= 100 and 10 <= outputs["p50"] <= 20  # within the buckets that hold them
     assert frame["kv"]["usage"] == pytest.approx(0.024793388429752095)
     kv = frame["kv"]
     assert (kv["block_size"], kv["num_blocks"], kv["dtype"]) == (128, 363, "auto")  # 364 less the null block
     assert kv["usage"] * 363 == pytest.approx(9)  # vLLM's usage is a share of those 363: 9 blocks held
-    assert frame["prefix"] == {"query_tokens": 2194, "hit_tokens": 896, "hit_rate": pytest.approx(896 / 2194)}
+    assert frame["prefix"] == {
+        "query_tokens": 2194,
+        "hit_tokens": 896,
+        "hit_rate": pytest.approx(896 / 2194),
+        "window_hit_rate": pytest.approx(896 / (2194 - 626)),
+    }  # between the two scrapes
     ttft = frame["latency"]["ttft"]
     assert ttft["count"] == 20 and ttft["window"]["count"] == 8  # 8 first tokens between the two scrapes
     assert ttft["p50"] <= ttft["p95"] <= ttft["p99"]

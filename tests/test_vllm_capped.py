@@ -61,6 +61,16 @@ async def test_a_capped_vllm_is_a_sequence_cap_not_kv_on_the_dashboard_and_in_kv
             truth = samples(capped_url)
             assert truth["vllm:num_requests_running"] <= MAX_NUM_SEQS and truth["vllm:kv_cache_usage_perc"] < 0.5
             assert f"{MAX_NUM_SEQS} running" in seen[-1] and "--max-num-seqs" in seen[-1], seen[-1]
+            # vLLM lists no sequences: the panel shows its running and waiting, by reason, as the frame has them
+            from kvtop.dashboard.widgets.sequences import SequencesPanel
+
+            def counted() -> str:
+                s = app.source.current["scheduler"]
+                return f"{s['running']} running · {s['waiting']} waiting ({s['waiting_for_capacity']} for capacity"
+
+            shown = lambda: " ".join(text(n) for n in app.query_one(SequencesPanel).query(".absent-note"))  # noqa: E731
+            await until(pilot, lambda: shown().startswith(counted()), "the sequences panel's counts", 60)
+            assert "derived: vLLM serves no per-sequence table" in shown()
         assert not [line for line in seen if "KV-bound" in line or "free blocks" in line], seen
 
         for _ in range(5):  # 10 s of scrapes; one caught as a request ended and the next was not yet in says less

@@ -26,7 +26,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input
 
 from kvtop import fmt
-from kvtop.dashboard import absent
+from kvtop.dashboard import partial
 from kvtop.dashboard.actions import OperatorActions, ReplayActions, SequenceActions
 from kvtop.dashboard.fleet_screen import FleetPoller, FleetScreen
 from kvtop.dashboard.keys import (
@@ -249,7 +249,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
             )
         ro = " · readonly" if self.readonly and src.controls else ""
         if src.kind == "metrics" and src.current is not None:
-            ro += f" · {absent.engine_label(src.current)} via /metrics, no controls"
+            ro += f" · {partial.engine_label(src.current)} via /metrics, no controls"
         if self.fleet is not None:
             ro += " · esc: back to the fleet"
         if src.disconnected_since is not None:
@@ -286,7 +286,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         if view is None:
             return
         for panel in self.base.query(".panel"):
-            absent.draw(panel, view)
+            partial.draw(panel, view)
         if isinstance(self.screen, SequenceScreen):
             self.screen.show(view)
 
@@ -294,7 +294,7 @@ class KvtopApp(OperatorActions, SequenceActions, ReplayActions, App[int]):
         view = self.view()
         if view is not None and self.screen_stack and not self.rebuilding:
             for w in self.base.query(kind):
-                absent.draw(w, view)
+                partial.draw(w, view)
 
     # ---- keys: which exist in this mode ----------------------------------------------------
     @property

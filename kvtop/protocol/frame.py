@@ -137,6 +137,12 @@ class SchedulerInfo(TypedDict):
     waiting_for_capacity: NotRequired[
         Annotated[Count, Schema(description="Of those waiting, for scheduling capacity (vLLM's waiting_by_reason).")]
     ]
+    waiting_deferred: NotRequired[
+        Annotated[Count, Schema(description="Of those waiting, deferred by a transient constraint (vLLM's reason).")]
+    ]
+    rejections_total: NotRequired[
+        Annotated[Count, Schema(description="Requests a queue limit turned away since start (vLLM's admission).")]
+    ]
 
 
 class PrefixCache(TypedDict):
@@ -151,6 +157,12 @@ class PrefixCache(TypedDict):
     evictions: NotRequired[Count]
     restored_blocks: NotRequired[Count]
     cached_blocks: NotRequired[Count]
+    window_hit_rate: NotRequired[
+        Annotated[
+            Fraction,
+            Schema(description="A partial frame's: the token hit rate over the scrapes of the last rate window."),
+        ]
+    ]
 
 
 class Window(TypedDict):
@@ -164,7 +176,8 @@ class Window(TypedDict):
 
 
 class Histogram(TypedDict):
-    """A latency histogram with vLLM's buckets: counts has one more entry than buckets (the last is +Inf)."""
+    """A histogram with its engine's buckets (seconds, or tokens for request lengths): counts has one more entry
+    than buckets (the last is +Inf)."""
 
     count: Count
     sum: NonNeg
@@ -174,6 +187,13 @@ class Histogram(TypedDict):
     buckets: Annotated[list[float], Schema(minItems=1)]
     counts: Annotated[list[Count], Schema(minItems=2)]
     window: NotRequired[Window]
+
+
+class RequestLengths(TypedDict):
+    """Finished requests' lengths in tokens, as histograms (an engine that serves no per-sequence table)."""
+
+    prompt_tokens: NotRequired[Histogram]
+    generation_tokens: NotRequired[Histogram]
 
 
 class Latency(TypedDict):
@@ -286,6 +306,7 @@ class StatsFrame(TypedDict):
     server: NotRequired[ServerInfo]
     source: NotRequired[SourceInfo]
     unavailable: NotRequired[Annotated[list[str], Schema(description="What a partial frame's engine cannot show.")]]
+    requests: NotRequired[RequestLengths]
 
 
 def block_counts(device_blocks: str) -> dict[str, int]:

@@ -16,9 +16,10 @@ HISTORY_S = 600.0  # frames kept for sparklines and last-minute histograms
 NOTABLE_EVENTS = (
     "preempted", "swapped", "evicted", "prefix_evicted", "drain_started", "drain_finished", "resumed",
     "aborted", "failed", "step_failed", "snapshot", "engine_restarted",
-    "kv_full", "queue_grew",  # derived from another engine's counters (kvtop/derived.py)
+    "rejected", "kv_full", "queue_grew", "prefix_collapsed",  # derived from another engine's counters (kvtop/derived.py)
 )  # fmt: skip
-BURSTY_EVENTS = ("prefix_evicted",)  # notable, but they come by the hundred: first to go, shown as one line
+BURSTY_EVENTS = ("prefix_evicted", "rejected")  # notable, but they come by the hundred (rejections every scrape
+# while a queue is full): first to go, a run shown as one line
 EVENTS_KEPT = 2000
 PREFILL_S = 120.0  # on connecting, frames this far back are taken from the engine's /v1/history
 HISTORY_BYTES, HISTORY_FRAMES = 16 * 1024**2, 400  # replay: what sparklines read back at most (then thinned)

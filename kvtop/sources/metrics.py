@@ -33,6 +33,7 @@ WINDOW_S = 60.0  # latency percentiles over the last minute
 MIN_WINDOW_S = 20.0  # …once the scrapes span this much of it
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 DEADLINE_S = 10.0  # for a whole page, whatever the per-read timeout: a byte a second never trips that
+WINDOW_LOOKUPS = 64  # tokens looked up in the prefix cache within the rate window: fewer give no rate for it
 FRACTIONS = ("kv.usage", "kv.peak_usage", "prefix.hit_rate")  # frame fields that are at most 1
 SECONDS = ("engine.uptime_s", "prefix.saved_prefill_s")  # and these any amount: every other field is a count
 
@@ -62,9 +63,11 @@ def _set(frame: dict, path: str, value) -> None:
     frame.setdefault(section, {})[key] = value
 
 
-def _latency(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
+def _histograms(m: Mapping, named: dict[str, str], scrape: Scrape, earlier: list[Scrape]) -> dict:
+    """The histograms `named` (frame key -> series name) as frame histograms: quantiles since
+    start and, where the scrapes span enough of it, over the last minute."""
     out = {}
-    for key, name in m.histograms.items():
+    for key, name in named.items():
         buckets = scrape.buckets.get(name)
         if not buckets:
             continue
@@ -95,9 +98,8 @@ def _window(m: Mapping, name: str, scrape: Scrape, earlier: list[Scrape]) -> tup
     return delta(buckets, then.buckets[name]), scrape.ts - then.ts
 
 
-def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
-    """Throughput over the scrapes of the engine's run in the last RATE_WINDOW_S seconds, as
-    Prometheus' `rate()` (kvtop/rates.py): `window_s` says over how long."""
+def _run_window(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> list[Scrape]:
+    """The scrapes of the engine's run in the last RATE_WINDOW_S seconds up to `scrape`, oldest first."""
     start = _start(m, scrape)
     window = [scrape]
     for s in reversed(earlier):  # newest first
@@ -106,8 +108,13 @@ def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
         if start is not None and (then := _start(m, s)) is not None and abs(then - start) >= SAME_RUN_S:
             break  # an earlier run: its counters are not this one's
         window.append(s)
-    window.reverse()
-    seconds = scrape.ts - window[0].ts
+    return window[::-1]
+
+
+def _rates(m: Mapping, window: list[Scrape]) -> dict:
+    """Throughput over the run's window of scrapes, as Prometheus' `rate()` (kvtop/rates.py):
+    `window_s` says over how long."""
+    seconds = window[-1].ts - window[0].ts
     if seconds <= 0:
         return {}
     out: dict = {}
@@ -118,6 +125,17 @@ def _rates(m: Mapping, scrape: Scrape, earlier: list[Scrape]) -> dict:
     if out:
         out["window_s"] = seconds
     return out
+
+
+def _window_hit_rate(m: Mapping, window: list[Scrape]) -> float | None:
+    """The prefix cache's token hit rate over the window's scrapes (its counters' increases), where
+    at least WINDOW_LOOKUPS tokens were looked up in it: the rate now, beside the run's since start."""
+    hits = [s.first(m.counters.get("prefix.hit_tokens", ())) for s in window]
+    asked = [s.first(m.counters.get("prefix.query_tokens", ())) for s in window]
+    if len(window) < 2 or None in hits or None in asked:
+        return None
+    looked_up = increase(asked)  # type: ignore[arg-type]
+    return min(1.0, increase(hits) / looked_up) if looked_up >= WINDOW_LOOKUPS else None  # type: ignore[arg-type]
 
 
 def _start(m: Mapping, scrape: Scrape) -> float | None:
@@ -186,8 +204,13 @@ def build_frame(m: Mapping, scrape: Scrape, earlier: list[Scrape], url: str) -> 
         prefix.pop("hit_rate", None)
     elif "hit_rate" not in prefix and hits is not None and asked and hits <= asked:  # hits unknown: no rate, not 0 %
         prefix["hit_rate"] = hits / asked
-    frame["latency"] = _latency(m, scrape, earlier)
-    frame["throughput"] = _rates(m, scrape, earlier)
+    frame["latency"] = _histograms(m, m.histograms, scrape, earlier)
+    if requests := _histograms(m, m.request_histograms, scrape, earlier):
+        frame["requests"] = requests
+    window = _run_window(m, scrape, earlier)
+    frame["throughput"] = _rates(m, window)
+    if (recent := _window_hit_rate(m, window)) is not None:
+        prefix["window_hit_rate"] = recent
     frame["engine"].setdefault("state", "running")
     if frame["engine"]["model"] is None:  # llama-server names no model: absent, not None on screen
         del frame["engine"]["model"]

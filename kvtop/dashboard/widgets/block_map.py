@@ -5,10 +5,15 @@ At one block per cell a cell is the block's DESIGN §6 character (`.` free, `c` 
 summarises a range: its colour is the range's dominant state and its glyph the share of the range
 that is not free (`.` none, `░` ≤⅓, `▒` ≤⅔, `▓` most, `█` all). `z`/`Z` zoom in and out (then the
 map scrolls); the selected sequence's blocks are drawn in reverse video.
+
+An engine that serves its KV usage and no per-block state (vLLM, SGLang over `/metrics`) gets a
+strip instead, labelled as derived: the share of its blocks in use, across the panel — how full
+the cache is, not where the used blocks lie or which are cached.
 """
 
 from __future__ import annotations
 
+import textwrap
 from itertools import groupby
 
 from rich.text import Text
@@ -19,6 +24,8 @@ from textual.content import Content
 from kvtop import fmt
 from kvtop.blocks import summarise  # the fold kvctl status uses too: a range reads the same on both
 from kvtop.dashboard.widgets.view import LinesStatic, View, set_border
+
+STRIP_ROWS = 3  # the usage strip's height
 
 
 def legend() -> Text:
@@ -49,6 +56,39 @@ def render_cells(chars: str, per_cell: int, width: int, highlight: set[int], off
     return rows
 
 
+def strip_parts(kv: dict) -> list[tuple[str, int]]:
+    """(map character, blocks) in the order the strip draws them: the counts by state where the
+    frame has them (ours over /metrics), else used and free from the usage over the block count
+    (over 100 hundredths of the pool where the engine counts no blocks, as SGLang's tokens)."""
+    if "free" in kv:
+        return [(ch, kv.get(fmt.BLOCK_NAMES[ch], 0)) for ch in "usc."]
+    total = kv.get("num_blocks") or 100
+    used = min(total, round(kv["usage"] * total))
+    return [("u", used), (".", total - used)]
+
+
+def _glyph(ch: str) -> str:
+    return "░" if ch == "." else "█"
+
+
+def _style(ch: str) -> str:
+    return fmt.BLOCK_STYLES[ch]
+
+
+def _cells(counts: list[int], width: int) -> list[int]:
+    """`width` cells shared in proportion to `counts` (largest remainders), a nonzero count never 0 cells."""
+    total = sum(counts) or 1
+    exact = [c * width / total for c in counts]
+    cells = [int(e) for e in exact]
+    for i in sorted(range(len(counts)), key=lambda i: exact[i] - cells[i], reverse=True)[: width - sum(cells)]:
+        cells[i] += 1
+    for i, c in enumerate(counts):
+        if c and not cells[i]:
+            j = max(range(len(cells)), key=lambda k: cells[k])
+            cells[i], cells[j] = 1, cells[j] - 1
+    return cells
+
+
 class BlockMap(VerticalScroll):
     """The KV pool, device blocks then the CPU tier's, as a scrollable grid."""
 
@@ -77,6 +117,9 @@ class BlockMap(VerticalScroll):
             return
         self._drawn_size = (width, height)
         kv = view.frame.get("kv", {})
+        if "blocks" not in kv and (kv.get("usage") is not None or "free" in kv):
+            self.show_strip(view.frame, width)
+            return
         chars: str = kv.get("blocks", "")
         ndev = kv.get("num_blocks", len(chars))
         device, host = chars[:ndev], chars[ndev:]
@@ -97,6 +140,31 @@ class BlockMap(VerticalScroll):
         sel = f"{view.state.selected_seq}: {len(highlight)} blocks" if highlight else ""
         title = f"Block map · {ndev} blocks · {scale}" + (" (fit)" if self.per_cell == fit else "")
         set_border(self, title, Content(sel))  # the id is a client's or a file's: never markup
+        self.query_one("#block-grid", LinesStatic).paint(fmt.lines(out), layout=True)
+
+    def show_strip(self, frame: dict, width: int) -> None:
+        """The strip of an engine that serves no per-block state (see the module docstring)."""
+        kv = frame["kv"]
+        parts = strip_parts(kv)
+        total = sum(n for _, n in parts)
+        blocks = bool(kv.get("num_blocks") or "free" in kv)  # else hundredths of a pool counted in tokens
+        bar = Text()
+        for (ch, _), cells in zip(parts, _cells([n for _, n in parts], width), strict=True):
+            bar.append(_glyph(ch) * cells, _style(ch))
+        legend = Text("  ").join(
+            Text.assemble((_glyph(ch), _style(ch)), f" {n:,}{'' if blocks else ' %'} {fmt.BLOCK_NAMES[ch]}")
+            for ch, n in parts
+        )
+        note = next((line for line in frame.get("unavailable", []) if "block map" in line), "no block map")
+        basis = "its counts by state" if "free" in kv else f"the KV usage, {fmt.pct(kv['usage'])}"
+        said = f"derived from {basis}: {note}; this says how full, not where"
+        out = [
+            legend,
+            *[bar] * STRIP_ROWS,
+            *[Text(line, "italic") for line in textwrap.wrap(said, max(8, width))],
+        ]
+        count = f"{total:,} blocks · " if blocks else ""
+        set_border(self, f"Block map · {count}derived from {'counts' if 'free' in kv else 'usage'}", "")
         self.query_one("#block-grid", LinesStatic).paint(fmt.lines(out), layout=True)
 
     def zoom(self, direction: int) -> None:

@@ -10,6 +10,7 @@ event, so a thrash cannot push a drain or a snapshot off the panel. `v` adds the
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 
 from rich.text import Text
@@ -30,7 +31,8 @@ KIND_STYLES = {
     "snapshot": "bold cyan",
     "engine_restarted": "bold magenta",
 }
-LEADING_INT = re.compile(r"\s*(\d+)")
+LEADING_INT = re.compile(r"\s*(?:derived: )?(\d+)")
+BURST_UNITS = {"prefix_evicted": "blocks", "rejected": "requests"}  # what a bursty kind's leading number counts
 
 
 @dataclass
@@ -49,11 +51,12 @@ class Burst:
         span = last - first
         text = f"×{len(self.events)} in {fmt.duration(span)}"
         counts = [LEADING_INT.match(e.get("detail") or "") for e in self.events]
-        if all(counts):  # "N cached prefix blocks …": the blocks, and how fast (the first N came before `first`)
-            blocks = [int(m.group(1)) for m in counts if m]
-            text += f": {sum(blocks):,} blocks"
+        unit = BURST_UNITS.get(self.kind, "")
+        if all(counts) and unit:  # "N cached prefix blocks …": how many, and how fast (the first N came before `first`)
+            numbers = [int(m.group(1)) for m in counts if m]
+            text += f": {sum(numbers):,} {unit}"
             if span > 0:
-                text += f", {fmt.rate(sum(blocks[1:]) / span)} blocks/s"
+                text += f", {fmt.rate(sum(numbers[1:]) / span)} {unit}/s"
         elif span > 0:
             text += f", {fmt.rate((len(self.events) - 1) / span)}/s"
         return text
@@ -77,6 +80,12 @@ def fold(events: list[dict]) -> list[dict | Burst]:
     return sorted(out, key=lambda r: r.ts if isinstance(r, Burst) else r.get("ts") or 0.0)
 
 
+DERIVED_NONE_YET = (
+    "none derived yet: /metrics carries counts, not events — kvtop marks preemptions, rejections, KV usage past "
+    "90 %, the queue growing and the prefix hit rate collapsing as they show in the counts"
+)
+
+
 class EventsPanel(Panel):
     TITLE = "Events"
 
@@ -84,6 +93,8 @@ class EventsPanel(Panel):
         verbose = view.state.verbose_events
         events = [e for e in view.events if verbose or e.get("kind") in NOTABLE_EVENTS]
         set_border(self, f"Events ({'all' if verbose else 'notable'}; v toggles)")
+        if not events and "unavailable" in view.frame:  # another engine's /metrics: events are kvtop's own reading
+            return fmt.lines([Text(line, "dim italic") for line in textwrap.wrap(DERIVED_NONE_YET, max(8, width))])
         if not events:
             return fmt.lines([Text("no notable events yet" if not verbose else "no events yet", "dim italic")])
         now = view.frame.get("ts", 0)

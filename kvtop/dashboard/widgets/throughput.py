@@ -73,7 +73,10 @@ class ThroughputPanel(Panel):
 
 
 def rejected_total(frame: dict) -> int | None:
-    """Requests the server refused since it started (429 queue full, 503 draining, …); None
-    where the frame has no server part (nothing refuses requests there)."""
+    """Requests the server refused since it started (429 queue full, 503 draining, …), or another
+    engine's count of requests its queue limits turned away (vLLM's admission rejections); None
+    where the frame has neither (frames from `kvctl run` or `LLM`: nothing refuses requests there)."""
     rejected = (frame.get("server") or {}).get("rejected")
-    return None if rejected is None else sum(rejected.values())
+    if rejected is None:
+        return (frame.get("scheduler") or {}).get("rejections_total")
+    return sum(rejected.values())

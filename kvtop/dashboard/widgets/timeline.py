@@ -2,7 +2,8 @@
 frame at the position is not a stats frame, why the last good one is still shown), and the events
 along the recording as marks under a bar (`p` preemption, `e` eviction, `d` drain, `r` resume,
 `a` abort, `s` snapshot; on a recording of another engine's /metrics, derived from its counters:
-`p` preemptions, `k` KV usage past 90 %, `q` the queue growing; the most severe wins a cell)."""
+`p` preemptions, `x` requests rejected, `k` KV usage past 90 %, `q` the queue growing, `h` the
+prefix hit rate collapsing; the most severe wins a cell)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from kvtop import fmt
 from kvtop.sources import ReplaySource
 
 MARKS = {"preempted": "p", "aborted": "a", "evicted": "e", "prefix_evicted": "e", "drain_started": "d", "drain_finished": "d",
-         "resumed": "r", "snapshot": "s", "kv_full": "k", "queue_grew": "q"}  # fmt: skip
-SEVERITY = "pkdaqesr"  # earlier = more severe
-MARK_STYLES = {"p": "red", "k": "red", "a": "red", "e": "yellow", "d": "yellow", "q": "yellow", "r": "green",
-               "s": "cyan"}  # fmt: skip
+         "resumed": "r", "snapshot": "s", "kv_full": "k", "queue_grew": "q", "rejected": "x",
+         "prefix_collapsed": "h"}  # fmt: skip
+SEVERITY = "pxkdaqhesr"  # earlier = more severe
+MARK_STYLES = {"p": "red", "x": "red", "k": "red", "a": "red", "e": "yellow", "d": "yellow", "q": "yellow",
+               "h": "yellow", "r": "green", "s": "cyan"}  # fmt: skip
 
 
 def mmss(seconds: float) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvtop.sources.mappings.mapping import Mapping
 
-__all__ = ["Mapping", "all_mappings", "by_kind", "detect"]
+__all__ = ["Mapping", "all_mappings", "by_kind", "detect", "engine_label"]
 
 
 def all_mappings() -> tuple[Mapping, ...]:
@@ -35,3 +35,9 @@ def detect(names) -> Mapping | None:
                 counts[m.kind] += 1
     best = max(all_mappings(), key=lambda m: counts[m.kind])
     return best if counts[best.kind] else None
+
+
+def engine_label(frame: dict) -> str:
+    """How the engine that sent `frame` is named to a person ("vLLM"), or "the engine"."""
+    kind = (frame.get("engine") or {}).get("kind") or "the engine"
+    return next((m.label for m in all_mappings() if m.kind == kind), kind)

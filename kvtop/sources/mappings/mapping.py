@@ -18,6 +18,8 @@ class Mapping:
     counters: dict[str, tuple[str, ...]]  # frame path -> counter sample names (totals since start)
     rates: dict[str, tuple[str, ...]]  # throughput field -> counter sample names, per second over the last scrapes
     histograms: dict[str, str]  # latency key (ttft, itl, e2e, queue) -> histogram name (without _bucket)
+    request_histograms: dict[str, str] = field(default_factory=dict)  # requests key (prompt_tokens,
+    # generation_tokens) -> histogram of finished requests' lengths in tokens
     selected: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # frame path -> (sample name,
     # label, value): the series of that name whose label has that value (vLLM's waiting by reason)
     start_time: str | None = None  # a gauge of when the engine's process started (a new value: a new run)

@@ -14,9 +14,11 @@ MAPPING = Mapping(
     },
     selected={
         "scheduler.waiting_for_capacity": ("vllm:num_requests_waiting_by_reason", "reason", "capacity"),  # 0.11+
+        "scheduler.waiting_deferred": ("vllm:num_requests_waiting_by_reason", "reason", "deferred"),
     },
     counters={
         "scheduler.preemptions_total": ("vllm:num_preemptions_total",),
+        "scheduler.rejections_total": ("vllm:admission_rejections_total",),  # a queue limit said no (all reasons)
         "prefix.query_tokens": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
         "prefix.hit_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     },
@@ -31,6 +33,10 @@ MAPPING = Mapping(
         "itl": "vllm:inter_token_latency_seconds",  # vllm:time_per_output_token_seconds before 0.11
         "e2e": "vllm:e2e_request_latency_seconds",
         "queue": "vllm:request_queue_time_seconds",
+    },
+    request_histograms={
+        "prompt_tokens": "vllm:request_prompt_tokens",
+        "generation_tokens": "vllm:request_generation_tokens",
     },
     info="vllm:cache_config_info",
     reserved_blocks=1,  # block 0 is vLLM's null block: its usage is of num_gpu_blocks - 1
