@@ -23,6 +23,7 @@ import httpx
 
 from kvtop.ctl.openai_client import stream
 from kvtop.protocol import metric_names  # the one place every kvtop_ metric is named
+from kvtop.protocol.stats_math import percentiles
 
 _WORDS_TEXT = """
     the of and to in is that for it as was with be by on not he this are or his from at which but
@@ -296,19 +297,11 @@ def _server_view(before: dict[str, float], after: dict[str, float], peak: dict) 
     }
 
 
-def percentiles(values: list[float]) -> list[float]:
-    """The 1st to 99th percentiles of `values` (at least one), interpolated between the nearest two as
-    numpy's default does (statistics' "inclusive" method): the light install carries no numpy."""
-    if len(values) == 1:
-        return [float(values[0])] * 99
-    return statistics.quantiles(values, n=100, method="inclusive")
-
-
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p95": None, "p99": None}
-    cuts = percentiles(values)
-    return {"mean": statistics.fmean(values), "p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
+    p50, p95, p99 = percentiles(values, (50, 95, 99))
+    return {"mean": statistics.fmean(values), "p50": p50, "p95": p95, "p99": p99}
 
 
 def parse_slo(spec: str | None) -> dict[str, float]:
