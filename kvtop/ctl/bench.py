@@ -158,14 +158,18 @@ PREEMPTIONS = metric_names.NUM_PREEMPTIONS + "_total"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
+    """Sample name -> value of the series labelled with no more than `model_name` and `engine` (every
+    series carries these two, as vLLM's), as kvtop.sources.prometheus reads the page (the one reader
+    of Prometheus text): a value no panel can use is absent; a page that is not Prometheus text
+    raises NotMetrics, a ValueError."""
+    from kvtop.sources.prometheus import parse  # not at import: every kvctl command loads this module
 
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not set(s.labels) - {"model_name", "engine"}:  # every series carries these two, as vLLM's
-                out[s.name] = s.value
-    return out
+    return {
+        name: value
+        for name, rows in parse(text, 0.0).series.items()
+        for labels, value in rows
+        if not set(labels) - {"model_name", "engine"}
+    }
 
 
 SCRAPE_TIMEOUT = 5.0  # seconds for one /metrics scrape while the load runs
