@@ -17,6 +17,7 @@ import random
 import time
 
 from engine import LLM, SamplingParams
+from kvtop.protocol.stats_math import percentiles
 
 
 def shared_prefix_prompts(n: int, system_len: int, seed: int = 0) -> list[list[int]]:
@@ -30,18 +31,16 @@ def run(llm: LLM, prompts, params) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    ttfts = sorted(o.metrics.ttft for o in outs)
-    itls = sorted(x for o in outs for x in o.metrics.itls)
+    ttfts = [o.metrics.ttft for o in outs]
+    itls = [x for o in outs for x in o.metrics.itls]
     c = engine.metrics.counters
 
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
+    ttft_p50, ttft_p99 = percentiles(ttfts, (50, 99), method="rank")
     return {
         "wall_s": wall,
-        "ttft_p50_s": pct(ttfts, 0.5),
-        "ttft_p99_s": pct(ttfts, 0.99),
-        "itl_p99_s": pct(itls, 0.99),
+        "ttft_p50_s": ttft_p50,
+        "ttft_p99_s": ttft_p99,
+        "itl_p99_s": percentiles(itls, (99,), method="rank")[0],
         "prefill_s": c.prefill_seconds,
         "prefill_tokens": c.prefill_tokens,
         "cached_tokens": sum(o.cached_tokens for o in outs),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtop.protocol.stats_math import percentiles
+
 # vLLM's histogram buckets, so figures compare with a vLLM deployment's dashboards.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -66,10 +68,9 @@ class Histogram:
 
 
 def _percentiles(values) -> dict:
-    if not len(values):
-        return {"p50": None, "p95": None, "p99": None}
-    p50, p95, p99 = np.percentile(np.fromiter(values, dtype=float), [50, 95, 99])
-    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+    """P50, P95 and P99 as numpy's default computes them (np.sort: several times faster than sorted())."""
+    p50, p95, p99 = percentiles(np.sort(np.fromiter(values, dtype=float)), (50, 95, 99), presorted=True)
+    return {"p50": p50, "p95": p95, "p99": p99}
 
 
 @dataclass

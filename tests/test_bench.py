@@ -119,7 +119,7 @@ def test_scrapes_do_not_wait_behind_the_load(server, monkeypatch):
     # server kept one OpenMP team)
     reqs = [bench.BenchRequest(prompt="one two three", max_tokens=1500)]
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-    run = bench.run_bench(server.url, model, reqs, max_concurrency=1, scrape_interval=0.1)
+    run = bench.run_bench(server.url, model, reqs, bench.Load(max_concurrency=1, scrape_interval=0.1))
     results, duration, view = asyncio.run(run)
     assert results[0].ok and duration > 0.6, "the request must outlast two scrape timeouts"
     assert view["failed_scrapes"] == 0 and view["peak_kv_usage"] > 0

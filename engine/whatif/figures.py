@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.whatif.sim import SimResult
+from kvtop.protocol.stats_math import percentiles
 from kvtop.protocol.trace_file import Trace
 
 PERCENTILES = (50, 95, 99)
@@ -14,10 +15,9 @@ LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
 
 
 def _pct(name: str, values) -> dict:
-    a = np.asarray(values, dtype=float)
-    if not a.size:
-        return {f"{name}_p{p}_s": None for p in PERCENTILES}
-    return {f"{name}_p{p}_s": float(v) for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES), strict=True)}
+    """P50/P95/P99 of `values` as numpy's default computes them (np.sort: a simulation's ITLs are many)."""
+    cuts = percentiles(np.sort(np.asarray(values, dtype=float).ravel()), PERCENTILES, presorted=True)
+    return {f"{name}_p{p}_s": v for p, v in zip(PERCENTILES, cuts, strict=True)}
 
 
 def _latencies(rows, itls) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.errors import EngineError
 from engine.trace import StepShape
+from kvtop.protocol.stats_math import percentile
 from kvtop.protocol.trace import StepRecord
 
 MIN_STEPS = 20  # fewer steps than this fit nothing worth trusting
@@ -131,7 +132,7 @@ def fit(steps: list[StepRecord], source: str = "the recording") -> StepTimeModel
         gap_s=float(np.median(gaps)) if gaps else 0.0,
         steps=len(steps),
         mape=float(rel.mean()),
-        p90_error=float(np.percentile(rel, 90)),
+        p90_error=percentile(rel, 90),
         total_error=float((predicted.sum() - y.sum()) / max(y.sum(), 1e-9)),
         source=source,
     )

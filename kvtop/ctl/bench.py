@@ -23,6 +23,7 @@ import httpx
 
 from kvtop.ctl.openai_client import stream
 from kvtop.protocol import metric_names  # the one place every kvtop_ metric is named
+from kvtop.protocol.stats_math import percentiles
 
 _WORDS_TEXT = """
     the of and to in is that for it as was with be by on not he this are or his from at which but
@@ -157,14 +158,18 @@ PREEMPTIONS = metric_names.NUM_PREEMPTIONS + "_total"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
+    """Sample name -> value of the series labelled with no more than `model_name` and `engine` (every
+    series carries these two, as vLLM's), as kvtop.sources.prometheus reads the page (the one reader
+    of Prometheus text): a value no panel can use is absent; a page that is not Prometheus text
+    raises NotMetrics, a ValueError."""
+    from kvtop.sources.prometheus import parse  # not at import: every kvctl command loads this module
 
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not set(s.labels) - {"model_name", "engine"}:  # every series carries these two, as vLLM's
-                out[s.name] = s.value
-    return out
+    return {
+        name: value
+        for name, rows in parse(text, 0.0).series.items()
+        for labels, value in rows
+        if not set(labels) - {"model_name", "engine"}
+    }
 
 
 SCRAPE_TIMEOUT = 5.0  # seconds for one /metrics scrape while the load runs
@@ -220,51 +225,62 @@ def api_base(base_url: str) -> str:
 
 
 # ---- the run ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Load:
+    """How `run_bench` sends its requests (`kvctl bench`'s flags of the same names): arrivals at
+    `request_rate` (inf: all at once) with `burstiness`, at most `max_concurrency` in flight, each
+    asking for exactly max_tokens where `ignore_eos`; the server's /metrics every `scrape_interval`
+    seconds (0: only before and after)."""
+
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0  # arrivals' (the prompts' is the dataset's)
+    ignore_eos: bool = True
+    api_key: str | None = None
+    timeout: float = 600.0  # seconds, per request
+    scrape_interval: float = SCRAPE_INTERVAL
+
+
 async def run_bench(
     base_url: str,
     model: str,
     requests: list[BenchRequest],
-    request_rate: float = float("inf"),
-    burstiness: float = 1.0,
-    max_concurrency: int | None = None,
-    seed: int = 0,
-    ignore_eos: bool = True,
-    api_key: str | None = None,
-    timeout: float = 600.0,
+    load: Load = Load(),
     on_done: Callable[[RequestResult], None] | None = None,
-    scrape_interval: float = SCRAPE_INTERVAL,
 ) -> tuple[list[RequestResult], float, dict]:
     base = api_base(base_url)
     url = f"{base}/v1/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    limits = httpx.Limits(max_connections=load.max_concurrency or 1000, max_keepalive_connections=100)
     # the server's view through a client of its own: in the load's pool, with every connection held
     # by a streaming request, a scrape waited for a free one and failed (two per run, typically)
     async with (
-        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
-        httpx.AsyncClient(timeout=timeout) as scraper,
+        httpx.AsyncClient(timeout=load.timeout, limits=limits) as client,
+        httpx.AsyncClient(timeout=load.timeout) as scraper,
     ):
         before = await _server_counters(scraper, base)
         stop = asyncio.Event()
         peak: dict = {}
         poller = None
-        if before is not None and scrape_interval > 0:
-            poller = asyncio.create_task(_poll_server(scraper, base, stop, peak, scrape_interval))
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        if before is not None and load.scrape_interval > 0:
+            poller = asyncio.create_task(_poll_server(scraper, base, stop, peak, load.scrape_interval))
+        sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
         async def fire(req: BenchRequest) -> RequestResult:
             if sem is None:
-                res = await _one(client, url, model, req, ignore_eos, headers)
+                res = await _one(client, url, model, req, load.ignore_eos, headers)
             else:
                 async with sem:
-                    res = await _one(client, url, model, req, ignore_eos, headers)
+                    res = await _one(client, url, model, req, load.ignore_eos, headers)
             if on_done:
                 on_done(res)
             return res
 
         start = time.perf_counter()
         tasks = []
-        for req, gap in zip(requests, arrival_gaps(len(requests), request_rate, burstiness, seed), strict=True):
+        gaps = arrival_gaps(len(requests), load.request_rate, load.burstiness, load.seed)
+        for req, gap in zip(requests, gaps, strict=True):
             if req.at is not None:  # open loop at the trace's own times
                 gap = max(0.0, start + req.at - time.perf_counter())
             if gap:
@@ -296,19 +312,11 @@ def _server_view(before: dict[str, float], after: dict[str, float], peak: dict) 
     }
 
 
-def percentiles(values: list[float]) -> list[float]:
-    """The 1st to 99th percentiles of `values` (at least one), interpolated between the nearest two as
-    numpy's default does (statistics' "inclusive" method): the light install carries no numpy."""
-    if len(values) == 1:
-        return [float(values[0])] * 99
-    return statistics.quantiles(values, n=100, method="inclusive")
-
-
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p95": None, "p99": None}
-    cuts = percentiles(values)
-    return {"mean": statistics.fmean(values), "p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
+    p50, p95, p99 = percentiles(values, (50, 95, 99))
+    return {"mean": statistics.fmean(values), "p50": p50, "p95": p95, "p99": p99}
 
 
 def parse_slo(spec: str | None) -> dict[str, float]:

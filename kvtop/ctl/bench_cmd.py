@@ -5,6 +5,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -78,25 +79,49 @@ def bench_run(
     goodput, and the server's own view when it is kvtop."""
     if ctx.invoked_subcommand is not None:
         return
-    base_url, slo_s = _checked_inputs(base_url, num_prompts, request_rate, burstiness, scrape_interval, slo)
-    shape = {"groups": groups, "system_len": system_len, "question_len": question_len, "long_share": long_share,
-             "long_factor": long_factor, "trace": trace}  # fmt: skip
-    reqs = _workload(dataset, num_prompts, input_len, output_len, seed, file, shape)
+    work = Workload(dataset=dataset, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                    groups=groups, system_len=system_len, question_len=question_len, long_share=long_share,
+                    long_factor=long_factor, file=file, trace=trace, seed=seed)  # fmt: skip
+    load = bench.Load(request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
+                      ignore_eos=ignore_eos, api_key=api_key, scrape_interval=scrape_interval)  # fmt: skip
+    base_url, slo_s = _checked_inputs(base_url, work, load, slo)
+    reqs = _workload(work)
     model = _served_model(base_url, model, api_key)
     results, duration, server = _with_progress(
-        dataset, len(reqs), lambda on_done: bench.run_bench(
-            base_url, model, reqs, request_rate, burstiness, max_concurrency, seed, ignore_eos, api_key, on_done=on_done,
-            scrape_interval=scrape_interval,
-        ),
-    )  # fmt: skip
-    meta = {"base_url": base_url, "model": model, "dataset": dataset, "num_prompts": num_prompts,
-            "request_rate": request_rate if request_rate != float("inf") else "inf", "burstiness": burstiness,
-            "max_concurrency": max_concurrency, "seed": seed, "scrape_interval_s": scrape_interval}  # fmt: skip
-    rep = bench.report(results, duration, server, slo_s, meta)
+        dataset, len(reqs), lambda on_done: bench.run_bench(base_url, model, reqs, load, on_done=on_done)
+    )
+    rep = bench.report(results, duration, server, slo_s, _meta(base_url, model, work, load))
     _write_outputs(rep, trace_out, json_path, lambda path: bench_trace.write_trace(path, reqs, results, ignore_eos))
     print_report(rep)
     if rep["completed"] == 0:
         raise typer.Exit(1)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests `kvctl bench` sends, as its flags name them (lengths still `N` or `MIN:MAX`):
+    a `dataset`'s `num_prompts` (the shape fields its own), or the requests of a `trace`."""
+
+    dataset: str
+    num_prompts: int
+    input_len: str
+    output_len: str
+    groups: int  # shared-prefix
+    system_len: int
+    question_len: int
+    long_share: float  # long-context
+    long_factor: int
+    file: Path | None  # jsonl
+    trace: Path | None
+    seed: int  # the prompts'
+
+
+def _meta(base_url: str, model: str, work: Workload, load: bench.Load) -> dict:
+    """What the report says of the run's inputs."""
+    return {"base_url": base_url, "model": model, "dataset": work.dataset, "num_prompts": work.num_prompts,
+            "request_rate": load.request_rate if load.request_rate != float("inf") else "inf",
+            "burstiness": load.burstiness, "max_concurrency": load.max_concurrency, "seed": work.seed,
+            "scrape_interval_s": load.scrape_interval}  # fmt: skip
 
 
 def _write_outputs(rep: dict, trace_out: Path | None, json_path: Path | None, write_trace) -> None:
@@ -107,16 +132,14 @@ def _write_outputs(rep: dict, trace_out: Path | None, json_path: Path | None, wr
         json_path.write_text(json.dumps(rep, indent=2))
 
 
-def _checked_inputs(
-    base_url: str, num_prompts: int, request_rate: float, burstiness: float, scrape_interval: float, slo: str | None
-) -> tuple[str, dict]:
+def _checked_inputs(base_url: str, work: Workload, load: bench.Load, slo: str | None) -> tuple[str, dict]:
     """The server's URL and the SLO in seconds, once every number is one the run can use; else
     the one-line error naming the flag."""
     try:
         base_url = checked_url(base_url, "--base-url")
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    _check_numbers(num_prompts, request_rate, burstiness, scrape_interval)
+    _check_numbers(work.num_prompts, load.request_rate, load.burstiness, load.scrape_interval)
     try:
         return base_url, bench.parse_slo(slo)
     except ValueError as exc:
@@ -137,25 +160,24 @@ def _check_numbers(num_prompts: int, request_rate: float, burstiness: float, scr
         )
 
 
-def _workload(
-    dataset: str, n: int, input_len: str, output_len: str, seed: int, file: Path | None, shape: dict
-) -> list[bench.BenchRequest]:
+def _workload(w: Workload) -> list[bench.BenchRequest]:
     """The requests of `--dataset` (or of `--trace`), or BadParameter naming the flag that is wrong."""
-    if shape.get("trace"):
-        return bench_trace.trace_requests(shape["trace"])
-    if dataset not in DATASETS:
+    if w.trace:
+        return bench_trace.trace_requests(w.trace)
+    if w.dataset not in DATASETS:
         raise typer.BadParameter(f"use one of {', '.join(DATASETS)}", param_hint="--dataset")
-    ins, outs = _range(input_len, "--input-len"), _range(output_len, "--output-len")
-    if dataset == "random":
+    n, seed = w.num_prompts, w.seed
+    ins, outs = _range(w.input_len, "--input-len"), _range(w.output_len, "--output-len")
+    if w.dataset == "random":
         return bench.random_dataset(n, ins, outs, seed)
-    if dataset == "shared-prefix":
-        return bench.shared_prefix_dataset(n, shape["groups"], shape["system_len"], shape["question_len"], outs, seed)
-    if dataset == "long-context":
-        return bench.long_context_dataset(n, ins, outs, shape["long_share"], shape["long_factor"], seed)
-    if file is None or not file.exists():
+    if w.dataset == "shared-prefix":
+        return bench.shared_prefix_dataset(n, w.groups, w.system_len, w.question_len, outs, seed)
+    if w.dataset == "long-context":
+        return bench.long_context_dataset(n, ins, outs, w.long_share, w.long_factor, seed)
+    if w.file is None or not w.file.exists():
         raise typer.BadParameter("jsonl needs --file pointing at an existing file", param_hint="--file")
     try:
-        return bench.jsonl_dataset(file, n, outs, seed)
+        return bench.jsonl_dataset(w.file, n, outs, seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--file") from None
 

@@ -42,8 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtop.client import EngineClient, EngineUnavailable
-from kvtop.ctl.bench import percentiles
 from kvtop.ctl.openai_client import complete, stream
+from kvtop.protocol.stats_math import percentile
 
 PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
 FREE_PROMPTS = [
@@ -230,7 +230,7 @@ def with_dashboard(url: str, socket: Path, jobs: list[Job], concurrency: int) ->
 
 
 def _pct(values: list[float], q: int) -> str:
-    return f"{percentiles(values)[q - 1] * 1000:.0f}" if values else "-"
+    return f"{percentile(values, q) * 1000:.0f}" if values else "-"
 
 
 def summary(results: list[Result], elapsed: float, watch: Watch, frame: dict) -> Table:
