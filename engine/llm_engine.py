@@ -34,7 +34,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
-from engine.stats import build_frame
+from engine.stats import build_frame, build_gauges, memory_gauges
 from engine.stopping import stop_reason
 from engine.trace import TraceRecorder, step_shape, trace_header
 from engine.validation import PromptLimits
@@ -392,6 +392,13 @@ class LLMEngine:
     def stats(self) -> dict:
         with self._lock:
             return build_frame(self)
+
+    def gauges(self) -> dict:
+        """The frame's counters and gauges, for a /metrics scrape: cheaper than `stats()` under the lock."""
+        with self._lock:
+            gauges = build_gauges(self)
+        gauges["memory"] = memory_gauges(self)
+        return gauges
 
     def trace_tables(self) -> tuple[dict, list[dict], list[dict]]:
         """The trace's header, its requests (finished, then in flight) and its steps, for a snapshot."""

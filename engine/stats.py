@@ -3,6 +3,10 @@ types in kvtop/protocol/frame.py (which the tools read by, and whose JSON Schema
 validate these frames against); this fills them in.
 
 `build_frame(engine)` is called under the engine lock; everything it returns is plain JSON.
+`build_gauges(engine)` is what a `/metrics` scrape reads, also under the lock: the same sections
+and keys, less what no metric carries and costs most to build — the per-sequence rows, the block
+map's string, the percentiles (a scrape sends bucket counts), the memory figures (read after the
+lock by `memory_gauges`).
 """
 
 from __future__ import annotations
@@ -52,32 +56,63 @@ def build_frame(engine: LLMEngine) -> StatsFrame:
         },
         "kv": kv_section,
         "sequences": sequences,
-        "scheduler": {
-            "running": len(sched.running),
-            "waiting": engine.num_waiting(),
-            "swapped": len(sched.swapped),
-            "max_num_seqs": sched.max_num_seqs,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "active_tokens": active_tokens(sched.running, kv.block_size),
-            "preemptions_total": sched.preemptions_total,
-        },
+        "scheduler": _scheduler(engine),
         "prefix": _prefix(engine, kv_section["cached"]),
-        "latency": {
-            "ttft": m.ttft.summary(now),
-            "itl": m.itl.summary(now),
-            "e2e": m.e2e.summary(now),
-            "queue": m.queue.summary(now),
-        },
+        "latency": {key: h.summary(now) for key, h in _latency(engine).items()},
         "throughput": m.throughput(now),
-        "counters": {
-            "prompt_tokens": m.counters.prompt_tokens,
-            "generation_tokens": m.counters.generation_tokens,
-            "requests_finished": m.counters.requests_finished,
-            "requests_aborted": m.counters.requests_aborted,
-            "requests_failed": m.counters.requests_failed,
-        },
+        "counters": _counters(engine),
         "memory": _memory(engine),
         "events": list(m.events)[-FRAME_EVENTS:],
+    }
+
+
+def build_gauges(engine: LLMEngine) -> dict:
+    """The frame's counters and gauges for a `/metrics` scrape (see the module docstring)."""
+    now = time.time()
+    kv_section = _kv(engine)
+    del kv_section["blocks"]
+    return {
+        "ts": now,
+        "engine": {"state": engine.state, "uptime_s": now - engine.start_time, "step": engine.step_count},
+        "kv": kv_section,
+        "scheduler": _scheduler(engine),
+        "prefix": _prefix(engine, kv_section["cached"]),
+        "latency": {key: h.counts_only() for key, h in _latency(engine).items()},
+        "counters": _counters(engine),
+    }
+
+
+def memory_gauges(engine: LLMEngine) -> dict:
+    """What a scrape sends of the memory: the process's resident bytes and the weights' (no NVML)."""
+    return {"device_used": _device_used(engine), "weights": engine.weights_bytes}
+
+
+def _scheduler(engine: LLMEngine) -> dict:
+    sched = engine.scheduler
+    return {
+        "running": len(sched.running),
+        "waiting": engine.num_waiting(),
+        "swapped": len(sched.swapped),
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "active_tokens": active_tokens(sched.running, engine.kv.block_size),
+        "preemptions_total": sched.preemptions_total,
+    }
+
+
+def _latency(engine: LLMEngine) -> dict:
+    m = engine.metrics
+    return {"ttft": m.ttft, "itl": m.itl, "e2e": m.e2e, "queue": m.queue}
+
+
+def _counters(engine: LLMEngine) -> dict:
+    c = engine.metrics.counters
+    return {
+        "prompt_tokens": c.prompt_tokens,
+        "generation_tokens": c.generation_tokens,
+        "requests_finished": c.requests_finished,
+        "requests_aborted": c.requests_aborted,
+        "requests_failed": c.requests_failed,
     }
 
 
@@ -180,20 +215,28 @@ def _memory(engine: LLMEngine) -> Memory:
     import torch
 
     if engine.device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info()
-        device_total, device_used = total, total - free
+        device_total = torch.cuda.mem_get_info()[1]
     else:
         device_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        device_used = _rss_bytes()
     return {
         "device_total": device_total,
-        "device_used": device_used,
+        "device_used": _device_used(engine),
         "weights": engine.weights_bytes,
         "weights_format": engine.weights_format,
         "prefill_copy": engine.prefill_copy_bytes,
         "kv": engine.kv.total_bytes,
         "nvml": _nvml(engine),
     }
+
+
+def _device_used(engine: LLMEngine) -> int:
+    """Device memory in use: the CUDA device's, or this process's resident bytes on CPU."""
+    if engine.device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    return _rss_bytes()
 
 
 def _rss_bytes() -> int:

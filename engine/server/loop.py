@@ -195,6 +195,14 @@ class EngineLoop:
         }
         return f
 
+    def gauges(self) -> dict:
+        """What a /metrics scrape reads: the engine's counters and gauges (`LLMEngine.gauges`, no
+        per-sequence rows, block map or percentiles) and the server's counts."""
+        g = self.engine.gauges()
+        g["server"] = {"in_flight": self.inflight, "rejected": dict(self.rejected),
+                       "finish_reasons": dict(self.finish_reasons)}  # fmt: skip
+        return g
+
     def default_snapshot_path(self, reason: str) -> Path:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")[:-3]
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in reason)[:40]

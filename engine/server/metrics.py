@@ -1,6 +1,8 @@
 """Prometheus exposition of the `kvtop_…` metrics, whose names live in kvtop/protocol/metric_names.py
-(DESIGN §6; the tools read the same names). Values are read from one stats frame per scrape —
-the same numbers `kvctl status` and the dashboard show — through a collector in a dedicated
+(DESIGN §6; the tools read the same names). Values are read once per scrape from the engine's
+counters and gauges (`EngineLoop.gauges`: the stats frame's sections and keys, less the
+per-sequence rows, the block map and the percentiles, which no metric carries) — the same numbers
+`kvctl status` and the dashboard show — through a collector in a dedicated
 registry (never the process-global one), beside prometheus-client's `process_*`/`python_*`
 collectors. Histograms carry the engine's own bucket counts, i.e. vLLM's buckets
 (engine/metrics.py); the per-request ones come from `RequestStats`, which the API feeds.
@@ -62,8 +64,8 @@ def _histogram(name: str, doc: str, bounds: tuple[float, ...] | None, summary: d
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=summary["sum"])
 
 
-class FrameCollector(Collector):
-    """Turns one stats frame per scrape (and the request stats) into metric families."""
+class GaugesCollector(Collector):
+    """Turns the engine's counters and gauges (and the request stats), read once per scrape, into metric families."""
 
     def __init__(self, loop: EngineLoop, requests: RequestStats) -> None:
         self.loop = loop
@@ -74,7 +76,7 @@ class FrameCollector(Collector):
         self._saved = (0, 0.0)  # (prefix hit tokens, saved prefill seconds) at the last scrape
 
     def collect(self):
-        f = self.loop.frame()
+        f = self.loop.gauges()
         for family in (*self._scheduler(f), *self._kv(f), *self._prefix(f), *self._counters(f), *self._engine(f),
                        *self._histograms(f)):  # fmt: skip
             family.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
@@ -198,7 +200,7 @@ class ServerRegistry(CollectorRegistry):
 def make_registry(loop: EngineLoop) -> ServerRegistry:
     registry = ServerRegistry(auto_describe=False)
     registry.requests = RequestStats(loop.engine.max_model_len)
-    registry.register(FrameCollector(loop, registry.requests))
+    registry.register(GaugesCollector(loop, registry.requests))
     # what prometheus-client's default registry exports (process_*, python_*), as vLLM's /metrics
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
