@@ -13,10 +13,10 @@ Unset (the default), it costs one attribute check per step.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
+from engine.knobs import knob
 from kvtop.protocol.errors import ConfigError
 
 ENV = "KVTOP_FAULT_INJECT"
@@ -39,7 +39,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> FaultInjector:
-        spec = os.environ.get(ENV, "").strip()
+        spec = knob(ENV)
         if not spec:
             return cls()
         key, _, value = spec.partition("=")

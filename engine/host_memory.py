@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import platform
+
+from engine.knobs import knob
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 SETTINGS = ((M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20), (M_MMAP_THRESHOLD, 32 << 20))
@@ -32,7 +33,7 @@ def keep_freed_memory() -> bool:
     """Apply SETTINGS once per process (before the engine's threads start, so that they share the
     main arena). True when they are in force. (Two first calls at once would both apply them: the
     same values, no harm.)"""
-    if os.environ.get("KVTOP_MALLOC", "1") == "0" or platform.libc_ver()[0] != "glibc":
+    if knob("KVTOP_MALLOC") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

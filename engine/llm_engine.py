@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from engine import knobs
 from engine.calibration import calibrate_fp8
 from engine.devices import kv_memory_bytes, resolve_device, resolve_dtype
 from engine.errors import EngineDrainingError, InvalidRequestError
@@ -46,6 +47,7 @@ from kvtop.protocol.trace import rows
 class LLMEngine:
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
+        knobs.check()  # a bad KVTOP_* value stops here, not in a step
         self.device = resolve_device(config.device)
         if self.device.startswith("cpu"):
             keep_freed_memory()  # a step's activations are not faulted in again at every step

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from engine.knobs import knob
+
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the threads, not only idle them
 ENV = "KVTOP_OMP_RELEASE"
 
@@ -40,7 +42,7 @@ def release_thread_pool() -> bool:
     """Free the OpenMP worker threads that parallel regions started from the calling thread. Call it
     on a thread that will run no more parallel regions (a later one would start a new pool). True
     when the runtime did it."""
-    if os.environ.get(ENV, "1") == "0":
+    if knob(ENV) == "0":
         return False
     path = loaded_libgomp()
     if path is None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 
+from engine.knobs import knob
 from kvtop.protocol.errors import ConfigError
 
 ELEMENTWISE_ENV = "KVTOP_TRITON_ELEMENTWISE"
@@ -55,7 +55,7 @@ def get_backend(name: str, device: str) -> ModuleType:
             module = importlib.import_module("engine.kernels.triton")
         except ImportError as exc:  # triton missing, or the module not built yet
             raise ConfigError(f"attention_backend=triton is not available here: {exc}") from exc
-        return module if os.environ.get(ELEMENTWISE_ENV, "1") != "0" else _with_torch_elementwise(module)
+        return module if knob(ELEMENTWISE_ENV) != "0" else _with_torch_elementwise(module)
     raise ConfigError(f"unknown attention backend {name!r}: use auto, cpu, triton or reference")
 
 

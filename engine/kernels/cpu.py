@@ -26,6 +26,7 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.cpu_prefill import bf16_pairs_pay, sdpa_pays, sdpa_prefill_attention
+from engine.knobs import knob
 from engine.log import log
 from kvtop.protocol.paths import cache_dir
 
@@ -59,7 +60,7 @@ HEADERS = [
 # 7 % (fp32) to 16 % (bf16 cache) less CPU time.
 # KVTOP_CPU_ARCH names another target than this machine (e.g. x86-64-v3: AVX2, no AVX-512) — for a
 # build that must run elsewhere, and for the test that checks the portable paths on an AVX-512 machine.
-ARCH = os.environ.get("KVTOP_CPU_ARCH", "native")
+ARCH = knob("KVTOP_CPU_ARCH")
 CFLAGS = ["-O3", f"-march={ARCH}", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 

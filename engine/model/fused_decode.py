@@ -13,12 +13,11 @@ Anything else, and `KVTOP_FUSED_DECODE=0`, runs the Python loop.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from engine.kernels.attention import AttentionBatch
+from engine.knobs import knob
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
 from engine.model.panel_linear import PanelGateUp, PanelLinear
@@ -107,7 +106,7 @@ def fused_decode_for(model: nn.Module, kernels) -> FusedDecode | None:
     """The fused decode for this model and attention backend, or None where it does not apply."""
     from engine.kernels import cpu
 
-    if os.environ.get(ENV, "1") == "0" or kernels is not cpu or not cpu.load():
+    if knob(ENV) == "0" or kernels is not cpu or not cpu.load():
         return None
     if model.norm.device.type != "cpu":
         return None

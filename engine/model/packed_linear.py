@@ -39,13 +39,12 @@ gained little more than oneDNN at that count (benchmarks/HISTORY.md, "Prepacked 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu
+from engine.knobs import knob
 from engine.log import log
 from engine.model.panel_linear import PanelEmbedding, PanelLinear, fits, kernel_available, to_panels, unpanelled
 from kvtop.protocol.config import format_bytes
@@ -204,7 +203,7 @@ def packed_linear(
     AVX512-BF16 (neither with KVTOP_PACKED_LINEAR=onednn), else oneDNN's. `large`: an AMX or panel layer also
     holds oneDNN's copy for prefill-sized inputs; `gate_up`: an MLP's gate/up weight, on AMX an
     AMXGateUp where it fits."""
-    ours = weight.dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "onednn"
+    ours = weight.dtype == torch.bfloat16 and knob(ENV) != "onednn"
     if ours and amx_available():
         if gate_up and AMXGateUp.fits(weight):
             return AMXGateUp(weight, bias, large=large)
@@ -222,7 +221,7 @@ def large_gemm_copy(projection_bytes: int) -> bool:
     """Whether the AMX (or bf16 panel) projections also hold oneDNN's packed copy for prefill-sized inputs
     (`KVTOP_LARGE_GEMM`: `auto`, the default, when that copy is at most LARGE_COPY_MAX bytes;
     `1` always; `0` never)."""
-    mode = os.environ.get(LARGE_ENV, "auto")
+    mode = knob(LARGE_ENV)
     if mode == "0" or not onednn_available(torch.bfloat16):
         return False
     return mode == "1" or projection_bytes <= LARGE_COPY_MAX
@@ -232,7 +231,7 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
     """bf16 by default. fp32 only with KVTOP_PACKED_LINEAR=all: end to end on SmolLM2 (2 threads, 64
     prompts x 256 -> 128) packed fp32 ran at 181 tok/s against plain fp32's 207, and one sequence's
     decode step 13 % slower; bf16 packed 513 against 386."""
-    mode = os.environ.get(ENV, "1")
+    mode = knob(ENV)
     return () if mode == "0" else (torch.bfloat16, torch.float32) if mode == "all" else (torch.bfloat16,)
 
 
@@ -282,7 +281,7 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
     returns False too."""
     weight = model.embed_tokens.weight
     if not applies(weight):
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and os.environ.get(ENV, "1") != "0":
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and knob(ENV) != "0":
             to_panels(model, PROJECTIONS)
         return False
     done: list[tuple[nn.Module, str]] = []
