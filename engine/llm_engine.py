@@ -18,6 +18,7 @@ import torch
 
 from engine.calibration import calibrate_fp8
 from engine.devices import kv_memory_bytes, resolve_device, resolve_dtype
+from engine.drain import Drain, EngineState
 from engine.errors import EngineDrainingError, InvalidRequestError
 from engine.faults import FaultInjector
 from engine.host_memory import keep_freed_memory
@@ -63,6 +64,9 @@ def allocate_kv(config: EngineConfig, spec, dtype: torch.dtype, device: str) -> 
 
 
 class LLMEngine:
+    # About 250 lines, kept whole: what is left is what only the engine does under its lock (the
+    # wiring, the inbox, the step, the operator controls). The post-step work is the scheduler's
+    # (postprocess), the drain engine/drain.py's, what is measured engine/metrics.py's.
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -89,7 +93,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.limits = PromptLimits(self.spec.vocab_size, self.max_model_len, self.kv.num_blocks * config.block_size)
         self.max_seq_len = self.limits.max_seq_len
-        self.state = "running"
+        self.drain_state = Drain(self.metrics.event)  # running → draining → drained (engine/drain.py)
         self.step_count = 0
         self.seqs: dict[str, Sequence] = {}  # every unfinished request
         self._inbox: deque[Sequence] = deque()
@@ -131,7 +135,7 @@ class LLMEngine:
         """Queue a request; returns its id. Raises InvalidRequestError for a request that could
         never run, EngineDrainingError while draining."""
         params = params or SamplingParams()
-        if self.state != "running":
+        if self.state is not EngineState.RUNNING:
             raise EngineDrainingError(f"engine is {self.state}: not admitting new requests (resume to admit)")
         if isinstance(prompt, str) and not prompt:  # before the tokenizer adds a BOS to it
             raise InvalidRequestError("prompt is empty")
@@ -215,8 +219,7 @@ class LLMEngine:
             self.metrics.record_step(now)
             usage = 1.0 - self.block_manager.num_free / self.kv.num_blocks
             self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, usage)
-            if self.state == "draining" and not self.seqs:
-                self._set_drained()
+            self.drain_state.settle(len(self.seqs))
         return outputs
 
     def _fail_batch(self, batch, exc: Exception) -> list[RequestOutput]:
@@ -270,25 +273,19 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ---- operator controls ---------------------------------------------------------------
-    def drain(self) -> None:
-        """Stop admitting; requests in flight finish. `drained` once none is left."""
-        with self._lock:
-            if self.state == "running":
-                self.state = "draining"
-                self.metrics.event("drain_started", None, f"{len(self.seqs)} requests in flight")
-            if not self.seqs:
-                self._set_drained()
+    @property
+    def state(self) -> EngineState:
+        return self.drain_state.state
 
-    def _set_drained(self) -> None:
-        if self.state != "drained":
-            self.state = "drained"
-            self.metrics.event("drain_finished")
+    def drain(self, timeout_s: float | None = None, abort_after: bool = False) -> None:
+        """Stop admitting; requests in flight finish, `drained` once none is left. A deadline
+        (`timeout_s`, with `abort_after`) is kept in `drain_state.info` for the server to enforce."""
+        with self._lock:
+            self.drain_state.start(len(self.seqs), timeout_s, abort_after)
 
     def resume(self) -> None:
         with self._lock:
-            if self.state != "running":
-                self.state = "running"
-                self.metrics.event("resumed")
+            self.drain_state.resume()
 
     def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
         """Drop free cached prefix blocks (all, or the `max_blocks` least recently used)."""
