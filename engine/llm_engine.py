@@ -19,6 +19,7 @@ import torch
 from engine import knobs
 from engine.calibration import calibrate_fp8
 from engine.devices import kv_memory_bytes, resolve_device, resolve_dtype
+from engine.drain import Drain, EngineState
 from engine.errors import EngineDrainingError, InvalidRequestError
 from engine.faults import FaultInjector
 from engine.host_memory import keep_freed_memory
@@ -30,7 +31,7 @@ from engine.log import log
 from engine.metrics import Metrics
 from engine.model.loader import load_model
 from engine.model.packed_linear import weights_note
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, request_output
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
@@ -44,7 +45,29 @@ from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.trace import rows
 
 
+def allocate_kv(config: EngineConfig, spec, dtype: torch.dtype, device: str) -> tuple[KVCache, BlockManager]:
+    """The KV cache (its one allocation, sized by the config's memory rule), the CPU tier when
+    `cpu_offload_memory` asks for one, and the block manager over both."""
+    kv = KVCache.allocate(
+        spec,
+        kv_memory_bytes(config, device, spec.hidden_size),
+        config.block_size,
+        config.kv_cache_dtype,
+        dtype,
+        device,
+    )
+    cpu = None
+    if config.cpu_offload_memory:
+        cpu = CpuTier(kv.allocate_host(int(config.cpu_offload_memory)), kv.block_bytes, kv)
+    elif config.preemption_mode == "swap":
+        raise ConfigError("preemption_mode=swap needs a CPU tier: set cpu_offload_memory (e.g. 1GiB)")
+    return kv, BlockManager(kv.num_blocks, config.block_size, config.enable_prefix_caching, cpu)
+
+
 class LLMEngine:
+    # About 250 lines, kept whole: what is left is what only the engine does under its lock (the
+    # wiring, the inbox, the step, the operator controls). The post-step work is the scheduler's
+    # (postprocess), the drain engine/drain.py's, what is measured engine/metrics.py's.
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
         knobs.check()  # a bad KVTOP_* value stops here, not in a step
@@ -63,28 +86,8 @@ class LLMEngine:
         self.model.build_rope_cache(self.max_model_len)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         kernels = get_backend(config.attention_backend, self.device)
-        self.kv = KVCache.allocate(
-            self.spec,
-            kv_memory_bytes(config, self.device, self.spec.hidden_size),
-            config.block_size,
-            config.kv_cache_dtype,
-            self.dtype,
-            self.device,
-        )
-        cpu = None
-        if config.cpu_offload_memory:
-            host_blocks = self.kv.allocate_host(int(config.cpu_offload_memory))
-            cpu = CpuTier(host_blocks, self.kv.block_bytes, self.kv)
-        elif config.preemption_mode == "swap":
-            raise ConfigError("preemption_mode=swap needs a CPU tier: set cpu_offload_memory (e.g. 1GiB)")
-        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching, cpu)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            policy=config.schedule_policy,
-            preemption_mode=config.preemption_mode,
-        )
+        self.kv, self.block_manager = allocate_kv(config, self.spec, self.dtype, self.device)
+        self.scheduler = Scheduler.from_config(self.block_manager, config)
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
         if config.kv_cache_dtype == "fp8_e4m3":
             calibrate_fp8(self.runner, self.tokenizer)
@@ -92,7 +95,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.limits = PromptLimits(self.spec.vocab_size, self.max_model_len, self.kv.num_blocks * config.block_size)
         self.max_seq_len = self.limits.max_seq_len
-        self.state = "running"
+        self.drain_state = Drain(self.metrics.event)  # running → draining → drained (engine/drain.py)
         self.step_count = 0
         self.seqs: dict[str, Sequence] = {}  # every unfinished request
         self._inbox: deque[Sequence] = deque()
@@ -100,8 +103,6 @@ class LLMEngine:
         self._requeues: deque[str] = deque()
         self._lock = threading.RLock()
         self._faults = FaultInjector.from_env()
-        self._evictions_unreported = 0
-        self._evictions_reported_at = 0.0
         self._ids = itertools.count()
         self.load_seconds = time.time() - t0
         if not quiet:
@@ -136,7 +137,7 @@ class LLMEngine:
         """Queue a request; returns its id. Raises InvalidRequestError for a request that could
         never run, EngineDrainingError while draining."""
         params = params or SamplingParams()
-        if self.state != "running":
+        if self.state is not EngineState.RUNNING:
             raise EngineDrainingError(f"engine is {self.state}: not admitting new requests (resume to admit)")
         if isinstance(prompt, str) and not prompt:  # before the tokenizer adds a BOS to it
             raise InvalidRequestError("prompt is empty")
@@ -186,8 +187,9 @@ class LLMEngine:
             held = max(batch.peak_held_blocks, self.kv.num_blocks - self.block_manager.num_free)
             self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, held / self.kv.num_blocks)
             now = time.time()
-            self._note_prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now)
-            self._note_schedule(batch, now)
+            where = "spilled to the CPU tier" if self.block_manager.cpu is not None else "dropped"
+            self.metrics.prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now, where)
+            self.metrics.scheduled(batch, now)
         if not batch:
             return outputs
         t0 = time.perf_counter()
@@ -208,38 +210,19 @@ class LLMEngine:
         elapsed = time.perf_counter() - t0
         with self._lock:
             self.metrics.account_step(batch, elapsed)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                self.block_manager.commit_full_blocks(seq)
             now = time.time()
-            for j, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-                if seq.is_finished:  # aborted while the model ran
-                    continue
-                self._append_token(seq, token, None if logprobs is None else logprobs[j], now)
-                outputs.append(self._output(seq, [token]))
+            for seq in self.scheduler.postprocess(batch, seqs, tokens, logprobs, self._stop_reason):
+                self.metrics.token(seq, now)
+                if seq.is_finished:
+                    self._finished(seq)
+                outputs.append(request_output(seq, [seq.token_ids[-1]], self.decode))
             self.trace.step(self.step_count, start, now, batch, shape, held, hits)
             self.step_count += 1
             self.metrics.record_step(now)
             usage = 1.0 - self.block_manager.num_free / self.kv.num_blocks
             self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, usage)
-            if self.state == "draining" and not self.seqs:
-                self._set_drained()
+            self.drain_state.settle(len(self.seqs))
         return outputs
-
-    def _note_schedule(self, batch, now: float) -> None:
-        """The schedule's events (preempted, swapped, scheduled) and each new request's queue time."""
-        for seq in batch.preempted:
-            if seq.state is SequenceState.SWAPPED:
-                self.metrics.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
-            else:
-                self.metrics.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
-        for seq in batch.swapped_in:
-            self.metrics.event("swapped", seq.seq_id, f"in: {len(seq.block_table)} blocks from the CPU tier")
-        for seq in batch.admitted:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
-                self.metrics.queue.observe(now - seq.metrics.arrival_time, now)
-                self.metrics.event("scheduled", seq.seq_id, f"{seq.num_cached_tokens} cached tokens")
 
     def _fail_batch(self, batch, exc: Exception) -> list[RequestOutput]:
         """End every request of a step that raised with reason `error`; the KV they wrote this
@@ -253,20 +236,9 @@ class LLMEngine:
             self.metrics.event("step_failed", None, f"step {self.step_count}: {detail}; {len(batch.seqs)} requests")
             for seq in batch.seqs:
                 if not seq.is_finished:
-                    self._finish(seq, "error", detail)
-                    outputs.append(self._output(seq, []))
+                    outputs.append(self._finish(seq, "error", detail))
             self.step_count += 1
         return outputs
-
-    def _note_prefix_evictions(self, evicted: int, now: float) -> None:
-        """At most one `prefix_evicted` event a second: a thrash must show without flooding the log."""
-        self._evictions_unreported += evicted
-        if self._evictions_unreported and now - self._evictions_reported_at >= 1.0:
-            where = "spilled to the CPU tier" if self.block_manager.cpu is not None else "dropped"
-            self.metrics.event(
-                "prefix_evicted", None, f"{self._evictions_unreported} cached prefix blocks reallocated ({where})"
-            )
-            self._evictions_unreported, self._evictions_reported_at = 0, now
 
     def _take_inbox(self, outputs: list[RequestOutput]) -> None:
         while self._inbox:
@@ -277,96 +249,45 @@ class LLMEngine:
             request_id, detail = self._aborts.popleft()
             seq = self.seqs.get(request_id)
             if seq is not None:
-                self._finish(seq, "abort", detail)
-                outputs.append(self._output(seq, []))
+                outputs.append(self._finish(seq, "abort", detail))
         while self._requeues:
             seq = self.seqs.get(self._requeues.popleft())
             if seq is not None and seq.state is SequenceState.RUNNING:
                 self.scheduler.requeue(seq)
                 self.metrics.event("evicted", seq.seq_id, f"requeued; {seq.num_tokens} tokens to recompute")
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
-        seq.token_ids.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
-        self.metrics.counters.generation_tokens += 1
-        m = seq.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            self.metrics.ttft.observe(now - m.arrival_time, now)
-            self.metrics.event("first_token", seq.seq_id, f"ttft {now - m.arrival_time:.3f} s")
-        else:
-            itl = now - m.last_token_time
-            m.itls.append(itl)
-            self.metrics.itl.observe(itl, now)
-        m.last_token_time = now
-        stop = stop_reason(seq, token, self.eos_token_ids, self.max_seq_len, self.max_model_len, self.decode)
-        if stop is not None:
-            self._finish(seq, *stop)
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, str] | None:
+        return stop_reason(seq, token, self.eos_token_ids, self.max_seq_len, self.max_model_len, self.decode)
 
-    def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
-        self.scheduler.finish(seq)
-        seq.state = SequenceState.FINISHED
-        seq.finish_reason, seq.finish_detail = reason, detail
-        now = time.time()
-        seq.metrics.finished_time = now
+    def _finish(self, seq: Sequence, reason: str, detail: str) -> RequestOutput:
+        """End a request that gets no token (aborted, failed); its output."""
+        self.scheduler.end(seq, reason, detail)
+        self._finished(seq)
+        return request_output(seq, [], self.decode)
+
+    def _finished(self, seq: Sequence) -> None:
+        """The scheduler has ended `seq`: out of the engine's requests, into the metrics and the trace."""
+        self.metrics.finished(seq, time.time())
         self.seqs.pop(seq.seq_id, None)
         self.trace.finished(seq)
-        if reason == "abort":
-            self.metrics.counters.requests_aborted += 1
-            self.metrics.event("aborted", seq.seq_id, detail)
-        elif reason == "error":
-            self.metrics.counters.requests_failed += 1
-            self.metrics.event("failed", seq.seq_id, detail)
-        else:
-            self.metrics.counters.requests_finished += 1
-            self.metrics.e2e.observe(now - seq.metrics.arrival_time, now)
-            self.metrics.event("finished", seq.seq_id, f"{reason}: {seq.num_output_tokens} tokens")
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        text = None
-        if seq.is_finished:
-            text = self.decode(seq.output_token_ids)
-            if seq.stop_text_len is not None:
-                text = text[: seq.stop_text_len]
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            new_token_ids=new_tokens,
-            text=text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            finish_detail=seq.finish_detail,
-            cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            metrics=seq.metrics,
-        )
-
     # ---- operator controls ---------------------------------------------------------------
-    def drain(self) -> None:
-        """Stop admitting; requests in flight finish. `drained` once none is left."""
-        with self._lock:
-            if self.state == "running":
-                self.state = "draining"
-                self.metrics.event("drain_started", None, f"{len(self.seqs)} requests in flight")
-            if not self.seqs:
-                self._set_drained()
+    @property
+    def state(self) -> EngineState:
+        return self.drain_state.state
 
-    def _set_drained(self) -> None:
-        if self.state != "drained":
-            self.state = "drained"
-            self.metrics.event("drain_finished")
+    def drain(self, timeout_s: float | None = None, abort_after: bool = False) -> None:
+        """Stop admitting; requests in flight finish, `drained` once none is left. A deadline
+        (`timeout_s`, with `abort_after`) is kept in `drain_state.info` for the server to enforce."""
+        with self._lock:
+            self.drain_state.start(len(self.seqs), timeout_s, abort_after)
 
     def resume(self) -> None:
         with self._lock:
-            if self.state != "running":
-                self.state = "running"
-                self.metrics.event("resumed")
+            self.drain_state.resume()
 
     def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
         """Drop free cached prefix blocks (all, or the `max_blocks` least recently used)."""
@@ -378,13 +299,12 @@ class LLMEngine:
     def evict_sequence(self, request_id: str, requeue: bool = False) -> bool:
         """Take a request's KV blocks back. Without `requeue` it ends with reason `abort`; with it,
         it goes back to the front of the queue and is recomputed. Applied at the next step."""
+        if not requeue:
+            return self.abort(request_id, "evicted by operator")
         with self._lock:
             if request_id not in self.seqs:
                 return False
-            if requeue:
-                self._requeues.append(request_id)
-            else:
-                self._aborts.append((request_id, "evicted by operator"))
+            self._requeues.append(request_id)
             return True
 
     def has_pending(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.sequence import SequenceState
 from kvtop.protocol.stats_math import percentiles
 
 # vLLM's histogram buckets, so figures compare with a vLLM deployment's dashboards.
@@ -98,6 +99,8 @@ class Metrics:
         self.peak_kv_usage = 0.0
         self.iteration = Histogram(ITERATION_BUCKETS)  # tokens computed per step (prompt + generated)
         self._step_tokens = 0
+        self._evictions_unreported = 0
+        self._evictions_reported_at = 0.0
 
     def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> dict:
         """Append an event to the ring; returns it (a snapshot that fails takes its own back)."""
@@ -106,6 +109,60 @@ class Metrics:
         event = {"ts": time.time(), "kind": kind, "seq_id": _utf8(seq_id), "detail": _utf8(detail)}
         self.events.append(event)
         return event
+
+    # ---- what the engine reports of its requests, from its step -----------------------------
+    def scheduled(self, batch, now: float) -> None:
+        """A schedule's events (preempted, swapped, scheduled) and each new request's queue time."""
+        for seq in batch.preempted:
+            if seq.state is SequenceState.SWAPPED:
+                self.event("swapped", seq.seq_id, f"out: {len(seq.host_table)} blocks to the CPU tier")
+            else:
+                self.event("preempted", seq.seq_id, f"recompute; {seq.num_tokens} tokens")
+        for seq in batch.swapped_in:
+            self.event("swapped", seq.seq_id, f"in: {len(seq.block_table)} blocks from the CPU tier")
+        for seq in batch.admitted:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+                self.queue.observe(now - seq.metrics.arrival_time, now)
+                self.event("scheduled", seq.seq_id, f"{seq.num_cached_tokens} cached tokens")
+
+    def prefix_evictions(self, evicted: int, now: float, where: str) -> None:
+        """At most one `prefix_evicted` event a second: a thrash must show without flooding the log."""
+        self._evictions_unreported += evicted
+        if self._evictions_unreported and now - self._evictions_reported_at >= 1.0:
+            self.event(
+                "prefix_evicted", None, f"{self._evictions_unreported} cached prefix blocks reallocated ({where})"
+            )
+            self._evictions_unreported, self._evictions_reported_at = 0, now
+
+    def token(self, seq, now: float) -> None:
+        """A sequence got its token at `now`: the count, its TTFT (the first) or inter-token latency."""
+        self.counters.generation_tokens += 1
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.ttft.observe(now - m.arrival_time, now)
+            self.event("first_token", seq.seq_id, f"ttft {now - m.arrival_time:.3f} s")
+        else:
+            itl = now - m.last_token_time
+            m.itls.append(itl)
+            self.itl.observe(itl, now)
+        m.last_token_time = now
+
+    def finished(self, seq, now: float) -> None:
+        """A sequence ended at `now` (the scheduler has set its reason): its counter, E2E, event."""
+        seq.metrics.finished_time = now
+        reason, detail = seq.finish_reason, seq.finish_detail
+        if reason == "abort":
+            self.counters.requests_aborted += 1
+            self.event("aborted", seq.seq_id, detail)
+        elif reason == "error":
+            self.counters.requests_failed += 1
+            self.event("failed", seq.seq_id, detail)
+        else:
+            self.counters.requests_finished += 1
+            self.e2e.observe(now - seq.metrics.arrival_time, now)
+            self.event("finished", seq.seq_id, f"{reason}: {seq.num_output_tokens} tokens")
 
     def record_step(self, now: float) -> None:
         c = self.counters

@@ -6,15 +6,24 @@ blocks allow. When blocks run out the newest running sequence is preempted: swap
 tier (preemption_mode=swap, when it has room) or freed and recomputed later from its tokens.
 Waiting order is arrival (fcfs) or longest cached prefix first (lpm), where a request passed over
 `lpm_max_skips` times goes first so nothing starves.
+
+After the step the scheduler finishes what it scheduled (`postprocess`, as nano-vllm's): the KV
+each sequence wrote is committed (full blocks into the prefix cache), each sampled sequence gets
+its new token, its stop conditions are checked (engine/stopping.py), and one that stopped is
+ended and its blocks freed. What the engine measures of it (metrics, trace) stays the engine's.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceState
+from kvtop.protocol.config import EngineConfig
+
+StopCheck = Callable[[Sequence, int], "tuple[str, str] | None"]  # (finish_reason, detail) when the token ends it
 
 
 @dataclass
@@ -54,6 +63,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemptions_total = 0
+
+    @classmethod
+    def from_config(cls, block_manager: BlockManager, config: EngineConfig) -> Scheduler:
+        return cls(
+            block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            policy=config.schedule_policy,
+            preemption_mode=config.preemption_mode,
+        )
 
     def add(self, seq: Sequence) -> None:
         seq.state = SequenceState.WAITING
@@ -161,3 +180,32 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
         self.bm.free(seq)
+
+    def end(self, seq: Sequence, reason: str, detail: str) -> None:
+        """A sequence is done (stopped, aborted, failed): out of the queues, its blocks freed,
+        FINISHED with its reason."""
+        self.finish(seq)
+        seq.state = SequenceState.FINISHED
+        seq.finish_reason, seq.finish_detail = reason, detail
+
+    def postprocess(
+        self, batch: ScheduledBatch, seqs: list[Sequence], tokens: list[int], logprobs, stop: StopCheck
+    ) -> list[Sequence]:
+        """After the model ran `batch`: its KV committed, then each of `seqs` (the sampled ones)
+        given its token (and log-prob), checked by `stop` and ended when it stopped. A sequence
+        aborted while the model ran is skipped. Returns those that got a token, in order."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.bm.commit_full_blocks(seq)
+        appended = []
+        for j, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if seq.is_finished:
+                continue
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[j])
+            reason = stop(seq, token)
+            if reason is not None:
+                self.end(seq, *reason)
+            appended.append(seq)
+        return appended

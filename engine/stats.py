@@ -45,7 +45,7 @@ def build_frame(engine: LLMEngine) -> StatsFrame:
         "schema": SCHEMA_VERSION,
         "ts": now,
         "engine": {
-            "state": engine.state,
+            "state": engine.state.value,
             "model": engine.config.served_model_name or engine.config.model,
             "device": engine.device,
             "dtype": str(engine.dtype).removeprefix("torch."),

@@ -115,3 +115,26 @@ def test_preemption_takes_the_sequence_itself_when_it_is_the_newest():
     batch = run(sched)  # a takes the last block; b has none left and is the newest: it steps aside
     assert names(batch.seqs) == ["a"] and names(batch.preempted) == ["b"]
     assert sched.bm.num_free == 0 and b.block_table == []
+
+
+def test_postprocess_appends_checks_stop_and_frees_what_stopped():
+    """After a step the scheduler finishes what it scheduled: KV committed, each sampled sequence
+    its token, one that stopped ended with its reason and its blocks back; one aborted while the
+    model ran gets nothing."""
+    sched = make(num_blocks=8)
+    a, b, c = seq("a", 4), seq("b", 4), seq("c", 4)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    free_before = sched.bm.num_free
+    sched.end(c, "abort", "aborted")  # while the model ran
+    stops = {11: ("stop", "eos")}
+    got = sched.postprocess(batch, [a, b, c], [10, 11, 12], [-0.5, -0.25, -0.125], lambda s, t: stops.get(t))
+    assert got == [a, b]
+    assert a.num_computed_tokens == 4 and a.output_token_ids == [10] and a.output_logprobs == [-0.5]
+    assert a.state is SequenceState.RUNNING and names(sched.running) == ["a"]
+    assert b.state is SequenceState.FINISHED and (b.finish_reason, b.finish_detail) == ("stop", "eos")
+    assert (
+        b.block_table == [] and c.output_token_ids == [] and (c.finish_reason, c.finish_detail) == ("abort", "aborted")
+    )
+    assert sched.bm.num_free == free_before + 2  # b's block, then c's

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engine.drain import EngineState
 from engine.log import log
 from engine.model.packed_linear import weights_note
 from engine.openmp import release_thread_pool
@@ -136,7 +137,7 @@ class _Signals:
             s.should_exit = True
 
     async def exit_when_drained(self) -> None:
-        while self.loop.engine.state != "drained" or self.loop.inflight:
+        while self.loop.engine.state is not EngineState.DRAINED or self.loop.inflight:
             await asyncio.sleep(0.05)
         log("drained; exiting")
         self.exit_now()

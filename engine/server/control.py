@@ -60,7 +60,7 @@ def reading_router(loop: EngineLoop, stopping: asyncio.Event) -> APIRouter:
     async def healthz():
         return {
             "status": "ok" if loop.running else "engine thread stopped",
-            "state": engine.state,
+            "state": engine.state.value,
             "model": engine.config.served_model_name or engine.config.model,
             "pid": os.getpid(),
             "uptime_s": time.time() - engine.start_time,

@@ -4,7 +4,8 @@ The thread calls `engine.step()` while there is work and sleeps on an event othe
 stays responsive while the model computes. Handlers `submit` requests with a sink (a callable
 run on the event loop, e.g. a queue's `put_nowait`); each RequestOutput is handed over with
 `call_soon_threadsafe`. Between steps the thread records a frame every `stats_interval` into the
-flight recorder, checks the automatic-snapshot triggers, and enforces the drain deadline.
+flight recorder, checks the automatic-snapshot triggers, and enforces the drain deadline (the
+drain itself, its state and its deadline, is the engine's: `engine.drain_state`, engine/drain.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+from engine.drain import EngineState
 from engine.flight_recorder import FlightRecorder
 from engine.llm_engine import LLMEngine
 from engine.log import log
@@ -34,19 +36,9 @@ Sink = Callable[[RequestOutput], None]
 RECENT_SNAPSHOTS = 10
 
 
-@dataclass
-class DrainState:
-    """A drain in progress (the frame's `server.drain`): when it began, its deadline, and whether
-    requests still in flight at the deadline are aborted."""
-
-    started: float
-    timeout_s: float | None = None
-    deadline: float | None = None  # cleared once the deadline has aborted what was left
-    abort_after: bool = False
-    aborted: int = 0
-
-
 class EngineLoop:
+    # About 250 lines, kept whole: one thread's bridge (requests in, outputs out, controls,
+    # frames and snapshots between steps) whose parts share its wake event and its sinks.
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
@@ -57,7 +49,6 @@ class EngineLoop:
         self.rejected: Counter[str] = Counter()
         self.snapshots: list[dict] = []
         self.snapshot_counts: Counter[str] = Counter()
-        self.drain_info: DrainState | None = None
         self.addresses: dict[str, str] = {}
         self._sinks: dict[str, Sink] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -136,28 +127,18 @@ class EngineLoop:
 
     # ---- operator controls (any thread) --------------------------------------------------
     def drain(self, timeout_s: float | None = None, abort_after: bool = False) -> dict:
-        now = time.time()
-        if self.engine.state == "running" or self.drain_info is None:
-            self.drain_info = DrainState(started=now)
-        if timeout_s is not None:
-            self.drain_info.timeout_s, self.drain_info.deadline = timeout_s, now + timeout_s
-        if abort_after:
-            self.drain_info.abort_after = True
-        self.engine.drain()
+        self.engine.drain(timeout_s, abort_after)
         self._wake.set()
         return self.drain_status()
 
     def resume(self) -> dict:
         self.engine.resume()
-        self.drain_info = None
         self._wake.set()
         return self.drain_status()
 
     def drain_status(self) -> dict:
-        return {"state": self.engine.state, "in_flight": len(self.engine.seqs), "drain": self._drain_dict()}
-
-    def _drain_dict(self) -> dict | None:
-        return None if self.drain_info is None else asdict(self.drain_info)
+        drain = self.engine.drain_state.as_dict()
+        return {"state": self.engine.state.value, "in_flight": len(self.engine.seqs), "drain": drain}
 
     def evict_sequence(self, request_id: str, requeue: bool) -> bool:
         found = self.engine.evict_sequence(request_id, requeue=requeue)
@@ -188,7 +169,7 @@ class EngineLoop:
             "max_queue": self.config.max_queue,
             "rejected": dict(self.rejected),
             "finish_reasons": dict(self.finish_reasons),
-            "drain": self._drain_dict(),
+            "drain": self.engine.drain_state.as_dict(),
             "snapshots": list(self.snapshots[-RECENT_SNAPSHOTS:]),
             "stats_interval_s": self.config.stats_interval,
             "history_s": self.config.history,
@@ -288,18 +269,17 @@ class EngineLoop:
                 aloop.call_soon_threadsafe(self._deliver, sink, out)
 
     def _check_drain(self, now: float) -> None:
-        if self.engine.state != "draining":
+        if self.engine.state is not EngineState.DRAINING:
             return
         if not self.engine.has_unfinished():
             self.engine.drain()  # marks it drained (a step that only aborted does not)
             return
-        info = self.drain_info
-        if info and info.abort_after and info.deadline is not None and now >= info.deadline:
+        drain = self.engine.drain_state
+        if drain.deadline_passed(now):
             ids = list(self.engine.seqs)
             for request_id in ids:
-                self.engine.abort(request_id, f"drain timeout ({info.timeout_s:g} s)")
-            info.aborted += len(ids)
-            info.deadline = None  # once
+                self.engine.abort(request_id, f"drain timeout ({drain.info.timeout_s:g} s)")
+            drain.note_aborted(len(ids))  # once
 
     def _record(self, now: float) -> None:
         try:

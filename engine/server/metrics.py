@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from engine.drain import EngineState
 from engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestStats
 from kvtop.protocol import metric_names as M
 
@@ -40,7 +41,7 @@ HISTOGRAMS = {
     "queue": (M.QUEUE_TIME, E2E_BUCKETS, "Time from arrival to first being scheduled."),
 }
 BLOCK_STATES = {".": "free", "c": "cached", "u": "used", "s": "shared", "o": "offloaded"}
-ENGINE_STATES = ("running", "draining", "drained")
+ENGINE_STATES = tuple(s.value for s in EngineState)  # running, draining, drained
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -42,7 +42,7 @@ def health_router(s: Serving, registry) -> APIRouter:
     router = APIRouter()
 
     async def health():
-        state = s.engine.state
+        state = s.engine.state.value
         ok = state == "running" and s.loop.running
         return JSONResponse({"status": "ok" if ok else state, "state": state}, status_code=200 if ok else 503)
 

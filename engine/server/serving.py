@@ -17,6 +17,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.drain import EngineState
 from engine.errors import EngineDrainingError, InvalidRequestError
 from engine.metrics import RequestStats
 from engine.outputs import RequestOutput
@@ -136,8 +137,8 @@ class Serving:
             job.finish_empty()
             return
         state = self.engine.state
-        if state != "running":
-            loop.note_rejected("draining", state)
+        if state is not EngineState.RUNNING:
+            loop.note_rejected("draining", state.value)
             raise self.draining(f"the engine is {state}: it admits no new requests until resumed; retry later")
         if loop.inflight + len(job.ids) > self.capacity:
             loop.note_rejected("queue_full", f"{loop.inflight} requests in flight, limit {self.capacity}")
@@ -160,7 +161,7 @@ class Serving:
                         headers={"Retry-After": str(self.retry_after())})  # fmt: skip
 
     def retry_after(self) -> int:
-        info = self.loop.drain_info
+        info = self.engine.drain_state.info
         if info and info.deadline:
             return max(1, math.ceil(info.deadline - time.time()))
         return 10
