@@ -390,7 +390,7 @@ def exit_status(term: Terminal, timeout: float = 60.0) -> int:
 
 def test_a_dashboard_that_raises_in_a_handler_exits_1_with_one_line(tmp_path: Path):
     env = base_env(TERM="xterm", KVTOP_CACHE=str(tmp_path))
-    code = "from kvtop.dashboard.app import KvtopApp\nKvtopApp.action_help = lambda self: 1 / 0\n" + (
+    code = "from kvtop.dashboard.dashboard_screen import DashboardScreen as D\nD.action_help = lambda self: 1 / 0\n" + (
         "from kvtop.dashboard.cli import main\nmain()"
     )
     term = Terminal.__new__(Terminal)
