@@ -237,9 +237,9 @@ async def test_the_dashboard_stays_up_and_draws_a_dash_for_every_unusable_value(
     url = serve(hostile, "/metrics", page(m, itertools.cycle(HOSTILE)))  # each value somewhere
     app = KvtopApp(MetricsSource(url, interval=0.2))
     async with app.run_test(size=(160, 48)) as pilot:
-        await until(pilot, lambda: len(app.source.history()) >= 3, "three scrapes")
+        await until(pilot, lambda: len(app.dashboard.source.history()) >= 3, "three scrapes")
         await pilot.pause(0.3)
-        assert app.poll_error is None and app.source.disconnected_since is None
+        assert app.dashboard.poll_error is None and app.dashboard.source.disconnected_since is None
         header = text(app.query_one(EngineHeader))
         assert f"{m.label} via /metrics" in header and "– running · – waiting" in header
         assert text(app.query_one(KVPanel)).splitlines()[0].split() == ["usage", "–", "–"]
@@ -317,14 +317,14 @@ async def test_a_replayed_recording_with_such_values_draws_dashes_and_flags_the_
     app = KvtopApp(ReplaySource.open(hostile_recording(tmp_path / "h.kvsnap")))
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.press("G")  # the last frame
-        await until(pilot, lambda: app.replay.index == len(app.replay.frames) - 1, "the last frame")
+        await until(pilot, lambda: app.dashboard.replay.index == len(app.dashboard.replay.frames) - 1, "the last frame")
         await pilot.pause(0.3)
         kv = text(app.query_one(KVPanel))
         assert kv.splitlines()[0].split()[-1] == "–"  # usage 1e308: no gauge, no 1e310 %
         assert "– s of prefill" in text(app.query_one(PrefixPanel))
         assert re.search(r"prompt tok/s +– ", text(app.query_one(ThroughputPanel)))
         await pilot.press("left")  # the NaN frame: the last good one stays, and the timeline says why
-        await until(pilot, lambda: app.replay.error is not None, "the bad frame")
+        await until(pilot, lambda: app.dashboard.replay.error is not None, "the bad frame")
         await pilot.pause(0.3)
         assert "is not a stats frame" in text(app.query_one(Timeline))
 
@@ -390,7 +390,7 @@ def exit_status(term: Terminal, timeout: float = 60.0) -> int:
 
 def test_a_dashboard_that_raises_in_a_handler_exits_1_with_one_line(tmp_path: Path):
     env = base_env(TERM="xterm", KVTOP_CACHE=str(tmp_path))
-    code = "from kvtop.dashboard.app import KvtopApp\nKvtopApp.action_help = lambda self: 1 / 0\n" + (
+    code = "from kvtop.dashboard.dashboard_screen import DashboardScreen as D\nD.action_help = lambda self: 1 / 0\n" + (
         "from kvtop.dashboard.cli import main\nmain()"
     )
     term = Terminal.__new__(Terminal)

@@ -95,7 +95,7 @@ async def test_zoom_in_and_out_of_a_big_cache():
         assert "1 block per cell" in str(bm.border_title)
         assert bm.max_scroll_y > 0  # one block per cell does not fit: the map scrolls
         assert "uuuuuuuuuuuuuuuuccccssss" in grid.content.plain
-        selected = app.state.selected_seq
+        selected = app.dashboard.state.selected_seq
         assert f"{selected}: 100 blocks" in str(bm.border_subtitle)
         while "(fit)" not in str(bm.border_title):
             await pilot.press("Z")

@@ -123,9 +123,9 @@ async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(b
         first = screen.selected()
         assert first is not None and first.state == "ok"
         await pilot.press("enter")
-        await until(pilot, lambda: app.screen is app.base and app.source is not None, "the dashboard")
-        assert app.source.url == first.url
-        await until(pilot, lambda: app.source.current is not None, "the engine's frame")
+        await until(pilot, lambda: app.screen is app.dashboard and app.dashboard.source is not None, "the dashboard")
+        assert app.dashboard.source.url == first.url
+        await until(pilot, lambda: app.dashboard.source.current is not None, "the engine's frame")
         await pilot.pause(0.3)
         assert first.url in text(app.query_one(EngineHeader))
         assert "esc: back to the fleet" in text(app.query_one(EngineHeader))
@@ -203,8 +203,12 @@ async def test_the_fleet_from_a_real_prometheus(prometheus):
         table = screen.query_one(DataTable)
         table.move_cursor(row=table.get_row_index(scraped["vllm"]))
         await pilot.press("enter")
-        await until(pilot, lambda: app.source is not None and app.source.current is not None, "the vLLM dashboard")
-        assert app.source.url == scraped["vllm"] and app.source.current["scheduler"]["running"] == 8
+        await until(
+            pilot,
+            lambda: app.dashboard.source is not None and app.dashboard.source.current is not None,
+            "the vLLM dashboard",
+        )
+        assert app.dashboard.source.url == scraped["vllm"] and app.dashboard.source.current["scheduler"]["running"] == 8
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is screen, "the fleet screen")
 

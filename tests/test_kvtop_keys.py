@@ -80,39 +80,45 @@ async def test_keys_typed_after_slash_go_to_the_filter_never_to_an_action(server
     async with app.run_test(size=SIZE) as pilot:
         await busy(pilot, app)
         await pilot.press("slash", "x", "d")
-        assert app.state.filter == "xd" and app.screen is app.base, "a key typed after / opened a dialog"
+        assert app.dashboard.state.filter == "xd" and app.screen is app.dashboard, "a key typed after / opened a dialog"
         await pilot.press("escape")
-        assert app.state.filter == "" and isinstance(app.focused, SequencesTable)
+        assert app.dashboard.state.filter == "" and isinstance(app.focused, SequencesTable)
 
         burst(app, "slash", "x", "d")  # the tmux send-keys "/xd" of the issue
-        await until(pilot, lambda: len(app.state.filter) == 2 or app.screen is not app.base, "the keys")
+        await until(pilot, lambda: len(app.dashboard.state.filter) == 2 or app.screen is not app.dashboard, "the keys")
         await pilot.pause(0.2)
-        assert app.state.filter == "xd" and not isinstance(app.screen, DrainScreen)
+        assert app.dashboard.state.filter == "xd" and not isinstance(app.screen, DrainScreen)
         await pilot.press("escape")
 
         await pilot.press("slash", "5", "d", "0", "enter")  # enter only closes the filter
-        assert app.state.filter == "5d0" and app.screen is app.base and isinstance(app.focused, SequencesTable)
+        assert (
+            app.dashboard.state.filter == "5d0"
+            and app.screen is app.dashboard
+            and isinstance(app.focused, SequencesTable)
+        )
         await pilot.press("slash", "escape")
 
         burst(app, "slash", "5", "d", "0", "enter")  # the burst that drained a live engine
-        await until(pilot, lambda: app.state.filter == "5d0" and isinstance(app.focused, SequencesTable), "enter")
+        await until(
+            pilot, lambda: app.dashboard.state.filter == "5d0" and isinstance(app.focused, SequencesTable), "enter"
+        )
         await pilot.pause(0.5)  # and anything that would come after it
-        assert app.state.filter == "5d0" and app.screen is app.base and engine_state(server) == "running"
+        assert app.dashboard.state.filter == "5d0" and app.screen is app.dashboard and engine_state(server) == "running"
 
         burst(app, "slash", "escape", "slash", "a", "b", "enter", "question_mark")  # after enter: keys again
         await until(pilot, lambda: isinstance(app.screen, HelpScreen), "? after the filter's enter")
-        await until(pilot, lambda: app.state.filter == "ab", "the filter text")
+        await until(pilot, lambda: app.dashboard.state.filter == "ab", "the filter text")
 
 
 @pytest.mark.anyio
 async def test_tabs_layout_slash_types_into_the_filter_too(server: Engine):
     app = live_app(server)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
         burst(app, "slash", "q", "d", "enter")  # q and d are keys, but not after /
         await until(pilot, lambda: not app.is_running or isinstance(app.focused, SequencesTable), "enter")
         await pilot.pause(0.5)
-        assert app.is_running and app.screen is app.base and app.state.filter == "qd"
+        assert app.is_running and app.screen is app.dashboard and app.dashboard.state.filter == "qd"
         assert "filter: qd" in str(app.query_one(SequencesPanel).border_subtitle)
         assert engine_state(server) == "running"
 
@@ -123,16 +129,16 @@ async def test_destructive_dialogs_start_on_cancel_and_enter_does_nothing(server
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
         await busy(pilot, app)
-        assert (victim := app.state.selected_seq)
+        assert (victim := app.dashboard.state.selected_seq)
         for key, screen in (("d", DrainScreen), ("e", ConfirmScreen), ("E", ConfirmScreen)):
             await pilot.press(key)
             assert isinstance(app.screen, screen), key
             assert isinstance(app.focused, Button) and app.focused.id == "no", f"{key}: focus on {app.focused}"
             await pilot.press("enter")  # on Cancel: the dialog closes, nothing happens
-            assert app.screen is app.base, key
+            assert app.screen is app.dashboard, key
         burst(app, "d", "enter", "e", "enter")  # enter typed before each dialog is even drawn
         await pilot.pause(1.0)
-        await until(pilot, lambda: app.screen is app.base, "enter on Cancel to close each dialog")
+        await until(pilot, lambda: app.screen is app.dashboard, "enter on Cancel to close each dialog")
         with server.client() as c:
             frame = c.stats()
             assert frame["engine"]["state"] == "running"
@@ -166,7 +172,7 @@ async def test_drain_dialog_has_kvctl_drain_defaults_and_y_drains(server: Engine
         await pilot.press("tab")  # tab moves on in a dialog too
         assert isinstance(app.focused, Button) and app.focused.id == "yes"
         await pilot.press("y")
-        assert app.screen is app.base
+        assert app.screen is app.dashboard
 
         def drain_info() -> dict | None:
             with server.client() as c:
@@ -191,7 +197,9 @@ async def test_enter_on_the_confirm_button_evicts_the_prefix_cache(server: Engin
         await pilot.press("enter", "space")
 
         def evicted() -> bool:
-            return any(e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.source.events())
+            return any(
+                e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.dashboard.source.events()
+            )
 
         await until(pilot, evicted, "the prefix-cache eviction")
 
@@ -202,7 +210,7 @@ async def test_enter_on_the_confirm_button_evicts_the_prefix_cache(server: Engin
 async def test_quit_keys_end_the_app(server: Engine, key: str):
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
         await pilot.press(key)
         assert await stopped(app), f"{key} did not quit"
 
@@ -210,10 +218,13 @@ async def test_quit_keys_end_the_app(server: Engine, key: str):
 @pytest.mark.anyio
 @pytest.mark.parametrize("key", ["ctrl+c", "f10"])
 async def test_ctrl_c_and_f10_quit_from_the_filter_and_dialogs(server: Engine, key: str):
-    for opener, opened in (("slash", lambda app: isinstance(app.focused, Input)), ("d", lambda app: app.typing)):
+    for opener, opened in (
+        ("slash", lambda app: isinstance(app.focused, Input)),
+        ("d", lambda app: app.dashboard.typing),
+    ):
         app = live_app(server)
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda app=app: app.source.current is not None, "a frame")
+            await until(pilot, lambda app=app: app.dashboard.source.current is not None, "a frame")
             await pilot.press(opener)  # the filter box (whose own ctrl+c copies), the drain dialog
             assert opened(app)
             await pilot.press(key)
@@ -235,7 +246,7 @@ async def test_j_k_move_the_cursor_and_enter_opens_the_details(server: Engine):
         assert table.cursor_row == 2
         await pilot.pause(0.1)
         seq_id = order(app)[2]
-        assert app.state.selected_seq == seq_id  # the block map follows the cursor
+        assert app.dashboard.state.selected_seq == seq_id  # the block map follows the cursor
 
         await pilot.press("enter")
         assert isinstance(app.screen, SequenceScreen)
@@ -250,7 +261,7 @@ async def test_j_k_move_the_cursor_and_enter_opens_the_details(server: Engine):
         others = [s["id"] for s in frame["sequences"] if s["id"] != seq_id]
         assert not any(o in detail for o in others)
         await pilot.press("escape")
-        assert app.screen is app.base and isinstance(app.focused, SequencesTable)
+        assert app.screen is app.dashboard and isinstance(app.focused, SequencesTable)
 
 
 @pytest.mark.anyio
@@ -258,7 +269,7 @@ async def test_sequence_keys_in_a_too_small_terminal_do_nothing():
     app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[0])))
     async with app.run_test(size=(50, 15)) as pilot:
         await pilot.press("G", "slash", "x", "enter", "j", "k", "enter")  # no table to filter or move in
-        assert app.is_running and app.screen is app.base and "too small" in text(app.query_one("#too-small"))
+        assert app.is_running and app.screen is app.dashboard and "too small" in text(app.query_one("#too-small"))
 
 
 @pytest.mark.anyio
@@ -270,10 +281,10 @@ async def test_sort_picker_chooses_a_column_and_again_reverses(server: Engine):
         await pilot.press("o")
         assert isinstance(app.screen, SortScreen)
         await pilot.press("escape")  # cancelled: nothing changes
-        assert app.state.sort == "age" and app.screen is app.base
+        assert app.dashboard.state.sort == "age" and app.screen is app.dashboard
 
         await pilot.press("o", "k", "k", "k", "k", "k", "enter")  # age → prompt, five rows up
-        assert app.state.sort == "prompt"
+        assert app.dashboard.state.sort == "prompt"
         prompts = [by_id[i]["prompt_tokens"] for i in order(app)]
         assert prompts == sorted(prompts, reverse=True)
         assert "sort prompt ↓" in str(app.query_one(SequencesPanel).border_title)
@@ -284,14 +295,14 @@ async def test_sort_picker_chooses_a_column_and_again_reverses(server: Engine):
         assert "sort prompt ↑" in str(app.query_one(SequencesPanel).border_title)
 
         await pilot.press("o", *"jjjjjj", "enter")  # prompt → ttft, six rows down
-        assert app.state.sort == "ttft"
+        assert app.dashboard.state.sort == "ttft"
 
 
 @pytest.mark.anyio
 async def test_help_and_footer_show_the_new_keys(server: Engine):
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
         footer = {b.binding.key for b in app.active_bindings.values() if b.binding.show}
         assert {"q", "slash", "enter", "o", "d"} <= footer
         await pilot.press("question_mark")
@@ -310,7 +321,7 @@ async def test_filter_text_that_looks_like_markup(server: Engine):
         await busy(pilot, app)
         await pilot.press("slash", "left_square_bracket", "slash", "enter")
         await pilot.pause(0.3)
-        assert app.is_running and app.state.filter == "[/"
+        assert app.is_running and app.dashboard.state.filter == "[/"
         assert app.query_one(SequencesTable).row_count == 0
         await pilot.press("space")  # live again: frames keep drawing with the filter on
         await pilot.pause(0.6)
@@ -337,7 +348,7 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         await until(pilot, lambda: "[/x]" in order(app), "the last frame drawn")
         table = app.query_one(SequencesTable)
         table.move_cursor(row=order(app).index("[/x]"))
-        await until(pilot, lambda: app.state.selected_seq == "[/x]", "the selection")
+        await until(pilot, lambda: app.dashboard.state.selected_seq == "[/x]", "the selection")
         # the map highlights its blocks and names the selected id under it, as text, never as markup
         assert "[/x]" in app.query_one(BlockMap).border_subtitle.replace("\\[", "[")
         await pilot.press("enter")
@@ -356,7 +367,7 @@ async def test_replayed_sequence_id_with_markup(tmp_path: Path):
         await pilot.pause(0.2)
         assert "cannot read '[/' as a time" in text(app.screen.query_one("#jump-error"))
         await pilot.press("escape")
-        assert app.screen is app.base and app.is_running
+        assert app.screen is app.dashboard and app.is_running
 
 
 @pytest.mark.anyio
@@ -366,8 +377,8 @@ async def test_a_frame_that_lands_while_the_details_open_does_not_crash(tmp_path
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("G")
         await pilot.pause(0.2)
-        app.push_screen(SequenceScreen("[/x]", app.view()))
-        app.redraw()  # the frame lands in the same tick: the screen is on the stack, not yet composed
+        app.push_screen(SequenceScreen("[/x]", app.dashboard.view()))
+        app.dashboard.redraw()  # the frame lands in the same tick: the screen is on the stack, not yet composed
         await pilot.pause(0.2)
         assert isinstance(app.screen, SequenceScreen) and app.is_running
         assert "id  [/x]" in text(app.screen.query_one("#seq-detail"))  # drawn from the newest frame
@@ -421,11 +432,12 @@ async def test_a_burst_of_enters_in_the_sort_picker_sorts_once_and_kvtop_stays()
     app = KvtopApp(ReplaySource(read_snapshot(SNAPSHOTS[0])))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("G", "o")
-        assert isinstance(app.screen, SortScreen) and (app.state.sort, app.state.sort_reverse) == ("age", True)
+        state = app.dashboard.state
+        assert isinstance(app.screen, SortScreen) and (state.sort, state.sort_reverse) == ("age", True)
         burst(app, "enter", "enter", "enter")
         await pilot.pause(0.5)
-        assert app.is_running and app.screen is app.base
-        assert (app.state.sort, app.state.sort_reverse) == ("age", False)  # the current column once: reversed once
+        assert app.is_running and app.screen is app.dashboard
+        assert (state.sort, state.sort_reverse) == ("age", False)  # the current column once: reversed once
 
 
 @pytest.mark.anyio
@@ -437,8 +449,8 @@ async def test_a_burst_of_enters_in_the_jump_dialog_jumps_once_and_kvtop_stays()
         assert isinstance(app.screen, JumpScreen)
         burst(app, "1", "enter", "enter", "enter")
         await pilot.pause(0.5)
-        assert app.is_running and app.screen is app.base
-        assert app.replay.position <= 1.0  # at the frame at or before 1 s, where it was sent
+        assert app.is_running and app.screen is app.dashboard
+        assert app.dashboard.replay.position <= 1.0  # at the frame at or before 1 s, where it was sent
 
 
 @pytest.mark.anyio
@@ -453,7 +465,7 @@ async def test_keys_while_resizes_rebuild_the_layout_do_not_crash():
             await pilot.resize_terminal(w, h)
             await pilot.press("j", "k", "o", "enter", "slash", "x", "escape")
         await pilot.pause(0.3)
-        assert app.is_running and app.screen is app.base
+        assert app.is_running and app.screen is app.dashboard
 
 
 FOOTER_KEYS = {"Filter", "Sort", "Help", "Jump"}
@@ -489,7 +501,7 @@ async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatc
             while held or app.query_one(Dashboard).rebuilding:  # both windows, and between them
                 await pilot.press("j", "k", "enter", "z", "Z", "O", "1", "right", "slash", "escape", "G")
             await until(pilot, lambda: "Sequences (" in str(app.query_one(SequencesPanel).border_title), "a redraw")
-            assert app.is_running and app.screen is app.base
+            assert app.is_running and app.screen is app.dashboard
             assert app.query_one(SequencesTable).row_count > 0
             # the keys come back in the footer (it recomposes after the panels, later on a loaded machine)
             await until(

@@ -128,7 +128,7 @@ async def busy(pilot, app: KvtopApp, min_seqs: int = 3) -> dict:
     """Wait for a frame with sequences in flight and latencies observed, then pause the view."""
 
     def ready() -> bool:
-        f = app.source.current
+        f = app.dashboard.source.current
         return bool(
             f and len(f["sequences"]) >= min_seqs and f["latency"]["itl"]["count"] and f["prefix"]["hit_tokens"]
         )
@@ -137,7 +137,7 @@ async def busy(pilot, app: KvtopApp, min_seqs: int = 3) -> dict:
     await pilot.press("space")  # pause: what is on screen stops changing
     await pilot.pause(0.5)
     assert "paused" in text(app.query_one(EngineHeader))
-    return app.source.current
+    return app.dashboard.source.current
 
 
 @pytest.mark.anyio
@@ -162,7 +162,7 @@ async def test_every_panel_shows_the_live_engine(server: Engine):
         assert table.row_count == len(frame["sequences"])
         assert set(table.ids) == {s["id"] for s in frame["sequences"]}
         # the selected sequence's blocks are named under the block map
-        selected = app.state.selected_seq
+        selected = app.dashboard.state.selected_seq
         seq = next(s for s in frame["sequences"] if s["id"] == selected)
         assert f"{selected}: {len(seq['block_ids'])} blocks" in str(app.query_one(BlockMap).border_subtitle)
 
@@ -204,7 +204,7 @@ async def test_sort_by_column_and_filter(server: Engine):
         assert "sort age ↓" in str(panel.border_title)
         await pilot.press("o")  # the sort picker, on the current column (age): output is four rows up
         await pilot.press("k", "k", "k", "k", "enter")
-        assert app.state.sort == "output"
+        assert app.dashboard.state.sort == "output"
         expected = sorted(frame["sequences"], key=lambda s: s["output_tokens"], reverse=True)
         assert [s["output_tokens"] for s in expected] == [
             next(s["output_tokens"] for s in frame["sequences"] if s["id"] == i) for i in order()
@@ -218,7 +218,7 @@ async def test_sort_by_column_and_filter(server: Engine):
         await pilot.press("slash", *target[-6:], "enter")
         assert order() == [target]
         assert f"(1 of {len(frame['sequences'])})" in str(panel.border_title)
-        assert app.state.selected_seq == target
+        assert app.dashboard.state.selected_seq == target
         await pilot.press("slash", "escape")
         assert len(order()) == len(frame["sequences"])
 
@@ -231,7 +231,7 @@ async def test_evict_the_selected_sequence(server: Engine):
         await pilot.press("O")  # youngest first: the most tokens still to go
         app.query_one(SequencesTable).move_cursor(row=0)
         await pilot.pause(0.2)
-        victim = app.state.selected_seq
+        victim = app.dashboard.state.selected_seq
         assert victim
         await pilot.press("e")
         assert isinstance(app.screen, ConfirmScreen)
@@ -243,11 +243,11 @@ async def test_evict_the_selected_sequence(server: Engine):
         seen = []
 
         def gone() -> bool:
-            f = app.source.current
+            f = app.dashboard.source.current
             log = text(app.query_one(EventsPanel))
             seen.append(f"{victim[:20]}" in log and "evicted by operator" in log)
             return victim not in {s["id"] for s in f["sequences"]} and any(
-                e["kind"] == "aborted" and e["seq_id"] == victim for e in app.source.events()
+                e["kind"] == "aborted" and e["seq_id"] == victim for e in app.dashboard.source.events()
             )
 
         await until(pilot, gone, f"{victim} to be evicted")
@@ -267,7 +267,9 @@ async def test_evict_the_prefix_cache(server: Engine):
         await pilot.press("E", "y", "space")
 
         def evicted() -> bool:
-            return any(e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.source.events())
+            return any(
+                e["kind"] == "evicted" and "cached prefix blocks" in e["detail"] for e in app.dashboard.source.events()
+            )
 
         await until(pilot, evicted, "the prefix-cache eviction event")
 
@@ -279,14 +281,14 @@ async def test_a_frame_landing_before_the_dashboard_is_mounted_does_not_end_kvto
     away and both messages arrive: kvtop must keep running and keep polling."""
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a first frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a first frame")
         await app.query_one(Dashboard).remove()
         app.post_message(SourceLost("the engine went away", time.time(), 0.2))
-        app.post_message(FrameArrived(app.source.current))
+        app.post_message(FrameArrived(app.dashboard.source.current))
         await pilot.pause(0.3)
-        step = app.source.current["engine"]["step"]
-        await until(pilot, lambda: app.source.current["engine"]["step"] > step, "polling to go on")
-        assert app.is_running and app.poll_error is None
+        step = app.dashboard.source.current["engine"]["step"]
+        await until(pilot, lambda: app.dashboard.source.current["engine"]["step"] > step, "polling to go on")
+        assert app.is_running and app.dashboard.poll_error is None
 
 
 @pytest.mark.anyio
@@ -319,7 +321,7 @@ async def test_drain_then_resume(server: Engine):
         await pilot.press("y")  # kvctl drain's defaults: no timeout, nothing aborted
 
         def state() -> str:
-            return app.source.current["engine"]["state"]
+            return app.dashboard.source.current["engine"]["state"]
 
         await until(pilot, lambda: state() in ("draining", "drained"), "the engine to drain")
         await until(pilot, lambda: "● drain" in text(app.query_one(EngineHeader)), "the header to say so")
@@ -338,7 +340,7 @@ async def test_drain_then_resume(server: Engine):
 async def test_readonly_has_no_actions(server: Engine):
     app = live_app(server, readonly=True)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
         for key in ("d", "r", "e", "E", "s"):
             await pilot.press(key)
             assert app.screen is app.screen_stack[0], f"{key} opened a dialog in --readonly"
@@ -357,8 +359,8 @@ async def test_survives_the_engine_restarting(server: Engine):
     """Last in the module: kill the server, see "disconnected since", restart it, see it back."""
     app = KvtopApp(LiveSource(server.socket, interval=0.2, max_backoff=1.0))
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
-        first_start = app.source.current["ts"] - app.source.current["engine"]["uptime_s"]
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
+        first_start = app.dashboard.source.current["ts"] - app.dashboard.source.current["engine"]["uptime_s"]
         server.kill()
         header = app.query_one(EngineHeader)
         await until(pilot, lambda: "disconnected since" in text(header), "the disconnected state")
@@ -367,7 +369,7 @@ async def test_survives_the_engine_restarting(server: Engine):
         server.restart()
 
         def back() -> bool:
-            f = app.source.current
+            f = app.dashboard.source.current
             return "● live" in text(header) and f["ts"] - f["engine"]["uptime_s"] > first_start + 0.5
 
         await until(pilot, back, "the dashboard to reconnect to the new engine", timeout=60)

@@ -105,7 +105,7 @@ async def test_replay_has_no_live_actions():
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
         for action in ("drain", "resume", "evict_sequence", "evict_prefix", "snapshot"):
-            assert app.check_action(action, ()) is False
+            assert app.dashboard.check_action(action, ()) is False
         await pilot.press("d")
         assert app.screen is app.screen_stack[0]  # no dialog opened
         keys = {b.binding.key for b in app.active_bindings.values()}

@@ -34,7 +34,7 @@ def shows_selection(app: KvtopApp, frame: dict) -> bool:
     """The block map draws `frame` with the selected sequence's blocks reversed and named under it."""
     bm = app.query_one(BlockMap)
     grid = text(bm.query_one("#block-grid")).replace("\n", "")
-    seq = next(s for s in frame["sequences"] if s["id"] == app.state.selected_seq)
+    seq = next(s for s in frame["sequences"] if s["id"] == app.dashboard.state.selected_seq)
     named = f"{seq['id']}: {len(seq['block_ids'])} blocks" in str(bm.border_subtitle)
     return frame["kv"]["blocks"] in grid and named and highlighted(app) == len(seq["block_ids"])
 
@@ -65,11 +65,11 @@ async def test_a_resize_then_a_new_frame_draws_the_new_frame_in_the_block_map():
     app = KvtopApp(ReplaySource(snap))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.3)
-        app.action_step(10)
+        app.dashboard.action_step(10)
         await pilot.pause(0.2)
         assert shows_selection(app, snap.frames[10])
         app.query_one(BlockMap).on_resize()
-        app.action_step(30)
+        app.dashboard.action_step(30)
         await pilot.pause(0.3)
         assert snap.frames[40]["kv"]["blocks"] != snap.frames[10]["kv"]["blocks"]
         assert shows_selection(app, snap.frames[40])
@@ -86,16 +86,16 @@ async def test_a_frame_right_after_a_cursor_move_keeps_the_cursor():
     app = KvtopApp(ReplaySource(snap))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.3)
-        app.action_step(10)
+        app.dashboard.action_step(10)
         await pilot.pause(0.2)
         table = app.query_one(SequencesTable)
         chosen = table.ids[5]
         table.move_cursor(row=5)
-        app.action_step(1)  # the next frame, before any message is read
+        app.dashboard.action_step(1)  # the next frame, before any message is read
         await pilot.pause(0.3)
         frame = snap.frames[11]
         assert chosen in {s["id"] for s in frame["sequences"]}
-        assert app.state.selected_seq == chosen and table.cursor_id() == chosen
+        assert app.dashboard.state.selected_seq == chosen and table.cursor_id() == chosen
         assert shows_selection(app, frame)
 
 
@@ -109,24 +109,24 @@ async def test_clicks_select_a_row_open_it_and_sort_by_a_header():
         table = app.query_one(SequencesTable)
         assert table.row_count == len(snap.frames[-1]["sequences"]) >= 2
         second = table.ids[1]
-        assert app.state.selected_seq != second
+        assert app.dashboard.state.selected_seq != second
         await pilot.click(SequencesTable, offset=(3, 2))  # the header is line 0: the second row
-        assert app.state.selected_seq == second and table.cursor_row == 1
+        assert app.dashboard.state.selected_seq == second and table.cursor_row == 1
         assert table_lines(app)[2].strip().startswith(second)
         await pilot.pause(0.2)
         assert shows_selection(app, snap.frames[-1])
-        assert app.screen is app.base  # a click on another row only selects it
+        assert app.screen is app.dashboard  # a click on another row only selects it
         await pilot.click(SequencesTable, offset=(3, 2))  # on the selected row: its details
         assert isinstance(app.screen, SequenceScreen) and app.screen.seq_id == second
         await pilot.press("escape")
 
         header = table_lines(app)[0]
         await pilot.click(SequencesTable, offset=(1 + header.index("prompt") + 1, 0))
-        assert app.state.sort == "prompt" and app.state.sort_reverse
+        assert app.dashboard.state.sort == "prompt" and app.dashboard.state.sort_reverse
         prompts = {s["id"]: s["prompt_tokens"] for s in snap.frames[-1]["sequences"]}
         assert [prompts[i] for i in table.ids] == sorted(prompts.values(), reverse=True)
         assert "prompt↓" in table_lines(app)[0]
-        assert app.state.selected_seq == second  # sorting keeps the selection, wherever its row went
+        assert app.dashboard.state.selected_seq == second  # sorting keeps the selection, wherever its row went
 
 
 @pytest.mark.anyio
@@ -144,7 +144,7 @@ async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
         assert isinstance(app.focused, SequencesTable)
         await pilot.press("end")
         last = table.ids[-1]
-        assert table.cursor_row == n - 1 and app.state.selected_seq == last
+        assert table.cursor_row == n - 1 and app.dashboard.state.selected_seq == last
         assert table_lines(app)[-1].strip().startswith(last)  # scrolled to it
         await pilot.pause(0.2)
         assert shows_selection(app, snap.frames[-1])
@@ -158,7 +158,7 @@ async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
         await pilot.press("escape", "home")
         # the wheel moves the cursor three rows a notch (Pilot has no wheel: its own mouse-event poster)
         await pilot._post_mouse_events([events.MouseScrollDown], SequencesTable, (3, 3), times=2)
-        assert table.cursor_row == 6 and app.state.selected_seq == table.ids[6]
+        assert table.cursor_row == 6 and app.dashboard.state.selected_seq == table.ids[6]
         await pilot.double_click(SequencesTable, offset=(3, 2))  # a double click opens a row at once
         assert isinstance(app.screen, SequenceScreen) and app.screen.seq_id == table.ids[table.top + 1]
 
@@ -182,9 +182,9 @@ async def test_a_narrow_panel_hides_the_least_needed_columns_not_the_latencies()
         assert [row.split()[-1] for row in rows] == [fmt.secs(itl[i]) if itl[i] is not None else "-" for i in table.ids]
 
         await pilot.click(SequencesTable, offset=(1 + lines[0].index("ITL") + 1, 0))
-        assert app.state.sort == "itl"  # a header's place still maps to its own column
+        assert app.dashboard.state.sort == "itl"  # a header's place still maps to its own column
 
-        app.on_sort_chosen(SortChosen("blocks"))
+        app.dashboard.on_sort_chosen(SortChosen("blocks"))
         await pilot.pause(0.2)
         assert "blks↓" in table_lines(app)[0].split()  # the column sorted by shows, narrow or not
 

@@ -66,9 +66,9 @@ def live_app(snapshot: Path, at: int) -> KvtopApp:
 async def two_polls(pilot) -> None:
     """The first poll shows a frame, the second seeds the sparklines from the history."""
     app = pilot.app
-    app.source.poll()
-    app.source.poll()
-    app.redraw()
+    app.dashboard.source.poll()
+    app.dashboard.source.poll()
+    app.dashboard.redraw()
     await pilot.pause()
 
 

@@ -138,11 +138,11 @@ async def test_resizing_switches_layouts_down_to_too_small():
         assert app.query_one(Dashboard).mode == "tabs"
         assert "usage" in text(app.query_one(KVPanel))  # redrawn into the new panels
         await pilot.press("z")  # state kept by the app survives a rebuild
-        zoom = app.state.zoom
+        zoom = app.dashboard.state.zoom
         await pilot.resize_terminal(160, 48)
         await pilot.pause(0.3)
         assert app.query_one(Dashboard).mode == "wide"
-        assert app.state.zoom == zoom
+        assert app.dashboard.state.zoom == zoom
         assert app.query_one(BlockMap).per_cell >= 1
 
 
@@ -192,6 +192,6 @@ async def test_a_message_that_lands_while_kvtop_quits_is_dropped():
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
     assert not app.screen_stack
-    app._selected(SequenceSelected("cmpl-gone"))
-    app.redraw()
-    app._focus_sequences()
+    app.dashboard._selected(SequenceSelected("cmpl-gone"))
+    app.dashboard.redraw()
+    app.dashboard._focus_sequences()

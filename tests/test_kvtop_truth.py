@@ -388,13 +388,13 @@ async def test_rejections_running_and_waiting_and_the_diagnosis_on_screen(engine
     async with app.run_test(size=(80, 24)) as pilot:  # the KV tab of a small terminal
 
         def refusing() -> bool:
-            f = app.source.current
-            return bool(f and f["server"]["rejected"].get("queue_full") and len(app.source.history()) > 5)
+            f = app.dashboard.source.current
+            return bool(f and f["server"]["rejected"].get("queue_full") and len(app.dashboard.source.history()) > 5)
 
         await until(pilot, refusing, "requests refused with 429")
         await pilot.press("space")  # paused: the frame on screen stays
         await pilot.pause(0.3)
-        f, history = app.source.current, app.source.history()
+        f, history = app.dashboard.source.current, app.dashboard.source.history()
         glance = lines_of(app)[2]
         s, rejected = f["scheduler"], f["server"]["rejected"]
         assert glance.startswith(f"{s['running']} running · {s['waiting']} waiting · ")
@@ -413,7 +413,7 @@ async def test_draining_is_diagnosed(engine):
     server = engine["server"]
     app = KvtopApp(LiveSource(server.socket, interval=0.2))
     async with app.run_test(size=(160, 48)) as pilot:
-        await until(pilot, lambda: app.source.current is not None, "a frame")
+        await until(pilot, lambda: app.dashboard.source.current is not None, "a frame")
         with server.control() as c:
             c.drain(timeout_s=30)
         try:
@@ -431,7 +431,7 @@ async def test_killed_engine_replaces_the_state_and_a_restart_is_an_event(engine
     server = engine["server"]
     app = KvtopApp(LiveSource(server.socket, interval=0.2, max_backoff=0.5))
     async with app.run_test(size=(160, 48)) as pilot:
-        await until(pilot, lambda: len(app.source.history()) > 2, "frames")
+        await until(pilot, lambda: len(app.dashboard.source.history()) > 2, "frames")
         assert "● running" in lines_of(app)[0]
         server.stop(signal.SIGKILL)
         await until(pilot, lambda: "✖ unreachable since" in lines_of(app)[0], "the header to say unreachable")
@@ -448,7 +448,7 @@ async def test_killed_engine_replaces_the_state_and_a_restart_is_an_event(engine
         await until(pilot, lambda: "engine_restarted" in text(events), "the restart in the events", timeout=90)
         assert "● running" in lines_of(app)[0] and "unreachable" not in lines_of(app)[0]
         assert not dashboard.has_class("-stale")
-        restart = next(e for e in app.source.events() if e["kind"] == "engine_restarted")
+        restart = next(e for e in app.dashboard.source.events() if e["kind"] == "engine_restarted")
         assert "the last one was up" in restart["detail"]
 
 

@@ -65,7 +65,7 @@ async def no_action_answers(pilot, app: KvtopApp) -> None:
     for key in ACTION_KEYS:
         await pilot.press(key)
         await pilot.pause(0.1)
-        assert app.screen is app.base, f"{key} opened {type(app.screen).__name__}"
+        assert app.screen is app.dashboard, f"{key} opened {type(app.screen).__name__}"
     await pilot.press("question_mark")
     await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
     assert [name for name, _ in app.screen.groups] == ["View", "Record"] and "no controls" in app.screen.mode
@@ -82,9 +82,9 @@ async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_k
         socket_frame = server.stats()
         app = KvtopApp(MetricsSource(server.url, interval=0.2))
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.source.current is not None, "a frame from /metrics")
+            await until(pilot, lambda: app.dashboard.source.current is not None, "a frame from /metrics")
             await pilot.pause(0.3)
-            frame = app.source.current
+            frame = app.dashboard.source.current
             assert frame["source"]["kind"] == "metrics" and frame["engine"]["kind"] == "kvtop"
             kv = text(app.query_one(KVPanel))
             assert kv.splitlines()[0].endswith(fmt.pct(frame["kv"]["usage"]))
@@ -107,10 +107,12 @@ async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_k
 async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(base, tmp_path: Path):
     app = KvtopApp(MetricsSource(f"{base}/vllm/0/metrics", interval=0.2))
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.source.current and app.source.current["throughput"], "two scrapes")
+        await until(
+            pilot, lambda: app.dashboard.source.current and app.dashboard.source.current["throughput"], "two scrapes"
+        )
         await pilot.pause(0.3)
         # no block map: a strip of used / free from vLLM's usage over its 363 blocks, labelled as derived
-        usage = app.source.current["kv"]["usage"]
+        usage = app.dashboard.source.current["kv"]["usage"]
         strip = grid(app)
         assert strip.splitlines()[0].split() == [
             "█",
@@ -150,7 +152,7 @@ async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(bas
         app.screen.query_one(Input).value = str(tmp_path / "vllm.kvsnap")
         await pilot.press("enter")
         await until(pilot, lambda: (tmp_path / "vllm.kvsnap").exists(), "the snapshot file")
-        shown = app.source.history()
+        shown = app.dashboard.source.history()
     replay = ReplaySource.open(tmp_path / "vllm.kvsnap")
     try:
         assert len(replay.frames) == len(shown) >= 2
@@ -171,12 +173,12 @@ def run_cli(monkeypatch, *argv: str) -> KvtopApp:
 
 def test_the_command_line_opens_the_source_it_names(monkeypatch, tmp_path: Path):
     app = run_cli(monkeypatch, "--url", "http://node-1:8000", "--engine", "vllm")
-    assert isinstance(app.source, MetricsSource) and app.source.url == "http://node-1:8000/metrics"
-    assert app.source.mapping.kind == "vllm" and app.fleet is None
+    assert isinstance(app.dashboard.source, MetricsSource) and app.dashboard.source.url == "http://node-1:8000/metrics"
+    assert app.dashboard.source.mapping.kind == "vllm" and app.fleet is None
     targets = tmp_path / "fleet.txt"
     targets.write_text("# the fleet\nhttp://node-1:8000\n\nnode-2:8000  # a comment\n")
     app = run_cli(monkeypatch, "--url", "http://node-0:30000", "--targets", str(targets))
-    assert app.source is None and isinstance(app.fleet, Fleet)
+    assert app.dashboard.source is None and isinstance(app.fleet, Fleet)
     assert [s.url for s in app.fleet.sources] == [
         "http://node-0:30000/metrics", "http://node-1:8000/metrics", "http://node-2:8000/metrics"
     ]  # fmt: skip

@@ -107,7 +107,9 @@ async def test_free_cached_used_shared_agree_on_every_surface(server):
             metrics = http.get("/metrics").text
         app = KvtopApp(LiveSource(server.socket, interval=0.2), readonly=True)
         async with app.run_test(size=(160, 48)) as pilot:
-            while not (app.source.current and app.source.current["kv"]["blocks"] == frame["kv"]["blocks"]):
+            while not (
+                app.dashboard.source.current and app.dashboard.source.current["kv"]["blocks"] == frame["kv"]["blocks"]
+            ):
                 await pilot.pause(0.1)
             # the poll thread sets `current` before the app draws it: wait for the panel's counts
             # (a loaded machine took longer than one pause; the counts may not have been there)

@@ -352,7 +352,7 @@ async def test_a_real_vllm_under_pressure_replays_with_its_panels_derived_and_it
         await pilot.pause()
         assert not source.playing  # a replay opens paused
         source.seek(29.0)
-        app.redraw()
+        app.dashboard.redraw()
         frame = source.current
         s = frame["scheduler"]
         strip = text(app.query_one(BlockMap).query_one("#block-grid"))

@@ -65,7 +65,7 @@ async def test_a_capped_vllm_is_a_sequence_cap_not_kv_on_the_dashboard_and_in_kv
             from kvtop.dashboard.widgets.sequences import SequencesPanel
 
             def counted() -> str:
-                s = app.source.current["scheduler"]
+                s = app.dashboard.source.current["scheduler"]
                 return f"{s['running']} running · {s['waiting']} waiting ({s['waiting_for_capacity']} for capacity"
 
             shown = lambda: " ".join(text(n) for n in app.query_one(SequencesPanel).query(".absent-note"))  # noqa: E731

@@ -88,14 +88,17 @@ async def test_kvtop_on_a_real_vllm_under_load_shows_its_kv_usage_and_no_drain_k
     try:
         async with app.run_test(size=(160, 48)) as pilot:
             await until(
-                pilot, lambda: (app.source.current or {}).get("scheduler", {}).get("running"), "a busy frame", 120
+                pilot,
+                lambda: (app.dashboard.source.current or {}).get("scheduler", {}).get("running"),
+                "a busy frame",
+                120,
             )
             agreed = None
             for _ in range(40):  # usage moves as sequences grow: compare a frame read between two equal pages
                 truth = samples(vllm_url)["vllm:kv_cache_usage_perc"]
-                seen = app.source.current["ts"]
-                await until(pilot, lambda s=seen: app.source.current["ts"] != s, "the next scrape", 60)
-                frame = app.source.current
+                seen = app.dashboard.source.current["ts"]
+                await until(pilot, lambda s=seen: app.dashboard.source.current["ts"] != s, "the next scrape", 60)
+                frame = app.dashboard.source.current
                 if samples(vllm_url)["vllm:kv_cache_usage_perc"] == truth and truth > 0:
                     agreed = frame["kv"]["usage"], truth
                     break
@@ -103,14 +106,17 @@ async def test_kvtop_on_a_real_vllm_under_load_shows_its_kv_usage_and_no_drain_k
             assert agreed[0] == pytest.approx(agreed[1])
             kv_line = lambda: text(app.query_one(KVPanel)).splitlines()[0]  # noqa: E731
             await until(
-                pilot, lambda: kv_line().endswith(fmt.pct(app.source.current["kv"]["usage"])), "the KV panel", 60
+                pilot,
+                lambda: kv_line().endswith(fmt.pct(app.dashboard.source.current["kv"]["usage"])),
+                "the KV panel",
+                60,
             )
             strip = " ".join(text(app.query_one(BlockMap).query_one("#block-grid")).split())
             assert "vLLM exposes no block map" in strip and "derived from the KV usage" in strip
             assert not {"d", "r", "e", "E"} & {k for k, b in app.active_bindings.items() if b.enabled}
             await pilot.press("d")  # no drain dialog: vLLM has no control over HTTP
             await pilot.pause(0.2)
-            assert app.screen is app.base
+            assert app.screen is app.dashboard
     finally:
         load.close()
 
@@ -138,10 +144,10 @@ async def paused_view(pilot, app) -> tuple[float, float | None]:
     """Pause the dashboard (space) and, once no scrape is in flight, the frame it shows: (its ts,
     preempt/s as drawn). Space again resumes."""
     await pilot.press("space")
-    await until(pilot, lambda: app.paused and all(w.is_finished for w in app.workers if w.group == "poll"),
+    await until(pilot, lambda: app.dashboard.paused and all(w.is_finished for w in app.workers if w.group == "poll"),
                 "the dashboard to pause", 60)  # fmt: skip
-    app.redraw()  # the panels from the frame kept, whatever landed as it paused
-    return app.source.current["ts"], shown_rate(app, "preempt/s")
+    app.dashboard.redraw()  # the panels from the frame kept, whatever landed as it paused
+    return app.dashboard.source.current["ts"], shown_rate(app, "preempt/s")
 
 
 @pytest.mark.anyio
@@ -167,8 +173,10 @@ async def test_a_preempting_vllm_is_kv_bound_and_preempt_per_s_is_its_counters_r
             await until(pilot, kv_finding, "a KV-bound or preempting finding in the header", 300)
             events = lambda: text(app.query_one(EventsPanel))  # noqa: E731
             await until(pilot, lambda: "derived: " in events() and "preempted" in events(), "a derived event", 120)
-            started = app.source.history()[0]["ts"]
-            await until(pilot, lambda: app.source.current["ts"] - started > RATE_WINDOW_S + 2, "a full window", 120)
+            started = app.dashboard.source.history()[0]["ts"]
+            await until(
+                pilot, lambda: app.dashboard.source.current["ts"] - started > RATE_WINDOW_S + 2, "a full window", 120
+            )
             compared = None
             for _ in range(30):  # a frame whose window starts and ends away from a preemption
                 ts, shown = await paused_view(pilot, app)
@@ -180,7 +188,7 @@ async def test_a_preempting_vllm_is_kv_bound_and_preempt_per_s_is_its_counters_r
                         compared = shown, expected
                         break
                 await pilot.press("space")  # resume: the next frame
-                await until(pilot, lambda t=ts: app.source.current["ts"] > t, "the next scrape", 60)
+                await until(pilot, lambda t=ts: app.dashboard.source.current["ts"] > t, "the next scrape", 60)
             assert compared is not None, f"no window away from a preemption: {truth.readings[-20:]}"
             shown, expected = compared
             print(f"preempt/s shown {shown}, vLLM's counter over the same {RATE_WINDOW_S:.0f} s {expected:.3f}/s")

@@ -1,4 +1,6 @@
-"""kvtop's keys, by mode: what the footer, the help screen and `check_action` all read.
+"""kvtop's keys, by mode: what the footer, the help screen and `check_action` all read. The
+dashboard's screens bind them (`DashboardScreen` the view's and the filter's, `LiveDashboard` the
+live and fleet keys, `ReplayDashboard` the replay keys); the app binds only `QUIT_NOW`.
 
 View keys work everywhere; the live actions exist only where the source has the engine's controls
 (our socket: not another engine's `/metrics`, not a replay) and without `--readonly`; the replay
@@ -7,7 +9,7 @@ them, and give way to any dialog or text box). Escape goes back to the fleet scr
 dashboard opened there.
 
 While a dialog or the filter box has the keyboard, no app key fires but ctrl+c and F10
-(`KvtopApp.check_action`; `q` is then a letter): keys typed after `/` are filter text, never actions. `/` is a
+(`DashboardScreen.check_action`; `q` is then a letter): keys typed after `/` are filter text, never actions. `/` is a
 priority key so that the filter box takes the keyboard before the keys typed after it are read.
 """
 
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 from textual.binding import Binding
 
+# the app's one key: it quits from any screen, dialog or text box
+QUIT_NOW = Binding(
+    "ctrl+c,f10", "quit_now", "Quit", show=False, priority=True, tooltip="quit, even from a dialog or the filter"
+)
 VIEW_KEYS = [
     Binding("q", "quit", "Quit"),
-    Binding(
-        "ctrl+c,f10", "quit_now", "Quit", show=False, priority=True, tooltip="quit, even from a dialog or the filter"
-    ),
+    QUIT_NOW,
     Binding("question_mark", "help", "Help"),
     Binding("space", "pause", "Pause", tooltip="live: pause/resume the view · replay: play/pause"),
     Binding(

@@ -1,4 +1,4 @@
-"""Messages between kvtop's worker threads, its widgets and the app (dataclasses, as in toolong)."""
+"""Messages between kvtop's worker threads, its widgets and its screens (dataclasses, as in toolong)."""
 
 from __future__ import annotations
 

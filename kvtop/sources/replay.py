@@ -160,7 +160,7 @@ class ReplaySource(FrameSource):
     def next_delay(self) -> float:
         return 0.1 if self.playing else 0.25
 
-    # ---- controls: each moves the position; the app redraws at once ----------------------
+    # ---- controls: each moves the position; the dashboard redraws at once ----------------------
     @_locked
     def play(self) -> None:
         if self.index == len(self.frames) - 1:

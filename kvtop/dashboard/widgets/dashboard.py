@@ -5,7 +5,7 @@ overview (≥110×34, e.g. 120×40 over SSH): two tabs — the overview (KV cach
 sequences, prefix cache, latency) and rates & events (throughput, memory, events).
 tabs (down to 60×18, e.g. 80×24): five tabs. `1`–`5` name the same panels in both tabbed
 layouts (in overview, 1–3 are the overview and 4–5 the rates). small: one clear message asking
-for a bigger terminal. Panel state that must survive a rebuild lives in the app's ViewState.
+for a bigger terminal. Panel state that must survive a rebuild lives in the screen's ViewState.
 """
 
 from __future__ import annotations

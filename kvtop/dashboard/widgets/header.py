@@ -98,7 +98,7 @@ class EngineHeader(LinesStatic):
     """Line 1: model, device, engine state, uptime, steps/s. Line 2: the source's status.
     Line 3: requests running / waiting, rejections, the diagnosis."""
 
-    unreachable_since: float | None = None  # set by the app while the engine cannot be reached
+    unreachable_since: float | None = None  # set by the screen while the engine cannot be reached
 
     def show(self, view: View | None, status: Text) -> None:
         line = Text.assemble(("kvtop ", "bold reverse"), " ")

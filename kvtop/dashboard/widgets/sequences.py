@@ -173,7 +173,7 @@ class SequencesTable(LinesStatic):
             self.draw()
 
     def _select(self) -> None:
-        """The view state learns the selection now, so that a frame drawn before the app has read
+        """The view state learns the selection now, so that a frame drawn before the screen has read
         the message keeps this cursor; the message makes the block map follow."""
         seq_id = self.ids[self.cursor_row]
         if self.state is not None and self.state.selected_seq != seq_id:
@@ -304,7 +304,7 @@ class SequencesPanel(Vertical):
 
     def close_filter(self, keep: bool) -> None:
         """Enter (keep) or esc (clear) in the filter box, handled as the key arrives (priority keys
-        of the app): the keys typed after it are keys again. The box itself finishes after the
+        of the screen): the keys typed after it are keys again. The box itself finishes after the
         letters typed before it, which may still be on their way to it."""
         box = self.query_one("#seq-filter", Input)
         self.screen.set_focus(self.table)

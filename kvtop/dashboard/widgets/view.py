@@ -1,7 +1,7 @@
 """What every panel is handed to draw: the frame shown, the frames before it, and the view state.
 
 `ViewState` is the operator's choices (selected sequence, sort, filter, zoom, latency range); it
-lives on the app so that it survives the layout being rebuilt when the terminal is resized.
+lives on the dashboard's screen so that it survives the layout being rebuilt when the terminal is resized.
 `Panel` is the base of the panels that draw a frame as text.
 """
 
