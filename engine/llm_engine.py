@@ -214,7 +214,7 @@ class LLMEngine:
             for seq in self.scheduler.postprocess(batch, seqs, tokens, logprobs, self._stop_reason):
                 self.metrics.token(seq, now)
                 if seq.is_finished:
-                    self._finished(seq)
+                    self._finished(seq, now)  # at its last token's time, the step's end in the trace
                 outputs.append(request_output(seq, [seq.token_ids[-1]], self.decode))
             self.trace.step(self.step_count, start, now, batch, shape, held, hits)
             self.step_count += 1
@@ -262,12 +262,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, detail: str) -> RequestOutput:
         """End a request that gets no token (aborted, failed); its output."""
         self.scheduler.end(seq, reason, detail)
-        self._finished(seq)
+        self._finished(seq, time.time())
         return request_output(seq, [], self.decode)
 
-    def _finished(self, seq: Sequence) -> None:
-        """The scheduler has ended `seq`: out of the engine's requests, into the metrics and the trace."""
-        self.metrics.finished(seq, time.time())
+    def _finished(self, seq: Sequence, now: float) -> None:
+        """The scheduler has ended `seq` at `now`: out of the engine's requests, into the metrics and the trace."""
+        self.metrics.finished(seq, now)
         self.seqs.pop(seq.seq_id, None)
         self.trace.finished(seq)
 
