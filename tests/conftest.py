@@ -56,14 +56,15 @@ FAMILIES = {
 # A test that loads a model, starts a server or drives a terminal goes through one of these fixtures
 # (every server and terminal test needs a model to serve); `make test-fast` leaves them out.
 MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_llm", "smollm2_hf", "tiny_models", "tiny_dir", "tiny_llm"})
+PEER_FIXTURES = frozenset({"prometheus"})  # a real Prometheus server (tests/prometheus_server.py)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark `integration` what the fast lane leaves out: the model fixtures' users, `slow` tests,
-    and modules that declare themselves so (`pytestmark = pytest.mark.integration`: a real
-    terminal, a peer engine)."""
+    """Mark `integration` what the fast lane leaves out: the model and peer fixtures' users, `slow`
+    tests, and tests or modules that declare themselves so (`pytest.mark.integration`: a real
+    terminal, a peer engine, a kvctl process)."""
     for item in items:
-        if MODEL_FIXTURES.intersection(item.fixturenames) or item.get_closest_marker("slow"):
+        if (MODEL_FIXTURES | PEER_FIXTURES).intersection(item.fixturenames) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.integration)
 
 

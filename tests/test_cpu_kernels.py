@@ -187,6 +187,7 @@ def test_a_failed_build_falls_back_to_the_reference(tiny_dir, tmp_path):
     assert len(failures) == 1 and "using the reference kernels" in failures[0]
 
 
+@pytest.mark.slow  # a second build of the kernels, for AVX2: minutes
 @pytest.mark.skipif(platform.machine() != "x86_64" or cpu.ARCH != "native", reason="an x86-64 build for this machine")
 def test_the_avx2_build_matches_the_reference_too(tmp_path):
     """Machines differ: an AVX2-only CPU (AMD Zen 3) compiles none of the AVX-512 paths. The same

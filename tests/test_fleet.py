@@ -106,6 +106,7 @@ def test_a_bad_url_in_the_list_is_refused_up_front():
         Fleet(["http://127.0.0.1:1", "ftp://x/y"])
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_status_with_several_urls_prints_one_line_per_engine(base):
     from tests.server_harness import kvctl
 
@@ -121,6 +122,7 @@ def test_kvctl_status_with_several_urls_prints_one_line_per_engine(base):
     assert "4 engines" in r.stdout and "not Prometheus text" in r.stdout
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_status_fails_when_no_engine_of_the_fleet_answers():
     from tests.server_harness import kvctl
 

@@ -264,6 +264,7 @@ async def test_one_hostile_engine_in_a_fleet_is_a_row_the_good_one_is_another(ho
         assert "2 engines, 2 ok" in text(screen.query_one("#fleet-header"))
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_status_of_a_hostile_page_prints_dashes_and_exits_0(hostile):
     url = serve(hostile, "/metrics", page(by_kind("vllm"), itertools.repeat("+Inf")))
     r = kvctl("status", "--url", url, "--json", timeout=60)
@@ -275,6 +276,7 @@ def test_kvctl_status_of_a_hostile_page_prints_dashes_and_exits_0(hostile):
     assert "- running, - waiting" in r.stdout and re.search(r"KV cache +- *\n", r.stdout), r.stdout
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_record_of_a_hostile_page_writes_a_recording_that_replays(hostile, tmp_path: Path):
     url = serve(hostile, "/metrics", page(by_kind("vllm"), itertools.cycle(HOSTILE)))
     out = tmp_path / "hostile.kvsnap"
@@ -348,6 +350,7 @@ def test_a_100_mb_page_is_refused_at_the_cap_without_being_read_whole(hostile, p
     assert elapsed < 20, elapsed  # its first 8 MiB over loopback, not 100 MB
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_status_refuses_a_100_mb_page_in_one_line(hostile):
     r = kvctl("status", "--url", hostile.base + "/big", timeout=120)
     said = r.stderr.strip().splitlines()
@@ -471,6 +474,7 @@ def test_any_values_through_mapping_frame_diagnosis_and_drawing(kind, data):
     cells_of(row_of("u", frame, frames))
 
 
+@pytest.mark.integration  # a kvctl process: seconds of start-up each
 def test_kvctl_status_with_prefix_queries_but_unusable_hits_prints_the_rest(hostile):
     """A usable query counter beside a +Inf hit counter: the prefix row leaves the hits out
     instead of ending `kvctl status` (it read `hit_tokens` whenever `query_tokens` was there)."""

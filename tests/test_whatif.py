@@ -52,6 +52,7 @@ def smollm2_trace(smollm2_dir, tmp_path_factory):
     return recorded_trace(engine, tmp_path_factory.mktemp("whatif-smollm2"))
 
 
+@pytest.mark.slow  # records real engines (its fixtures come by name)
 @pytest.mark.parametrize("recording", ["trace", "smollm2_trace"])
 def test_recorded_step_times_reproduce_the_recorded_schedule_step_by_step(recording, request):
     trace = request.getfixturevalue(recording)
