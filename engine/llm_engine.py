@@ -16,29 +16,29 @@ from collections import deque
 
 import torch
 
-from engine import knobs
 from engine.calibration import calibrate_fp8
-from engine.devices import kv_memory_bytes, resolve_device, resolve_dtype
 from engine.drain import Drain, EngineState
 from engine.errors import EngineDrainingError, InvalidRequestError
-from engine.faults import FaultInjector
-from engine.host_memory import keep_freed_memory
 from engine.kernels import get_backend, resolve_backend_name
 from engine.kv.block_manager import BlockManager
 from engine.kv.cache import KVCache
 from engine.kv.cpu_tier import CpuTier
-from engine.log import log
-from engine.metrics import Metrics
 from engine.model.loader import load_model
 from engine.model.packed_linear import weights_note
 from engine.outputs import RequestOutput, request_output
 from engine.runner import ModelRunner
+from engine.runtime import knobs
+from engine.runtime.devices import kv_memory_bytes, resolve_device, resolve_dtype
+from engine.runtime.faults import FaultInjector
+from engine.runtime.host_memory import keep_freed_memory
+from engine.runtime.log import log
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
-from engine.stats import build_frame, build_gauges, memory_gauges
 from engine.stopping import stop_reason
-from engine.trace import TraceRecorder, step_shape, trace_header
+from engine.telemetry.metrics import Metrics
+from engine.telemetry.stats import build_frame, build_gauges, memory_gauges
+from engine.telemetry.trace import TraceRecorder, step_shape, trace_header
 from engine.validation import PromptLimits
 from kvtop.protocol.config import EngineConfig, format_bytes
 from kvtop.protocol.errors import ConfigError
@@ -67,7 +67,7 @@ def allocate_kv(config: EngineConfig, spec, dtype: torch.dtype, device: str) -> 
 class LLMEngine:
     # About 250 lines, kept whole: what is left is what only the engine does under its lock (the
     # wiring, the inbox, the step, the operator controls). The post-step work is the scheduler's
-    # (postprocess), the drain engine/drain.py's, what is measured engine/metrics.py's.
+    # (postprocess), the drain engine/drain.py's, what is measured engine/telemetry/metrics.py's.
     def __init__(self, config: EngineConfig, quiet: bool = False) -> None:
         self.config = config
         knobs.check()  # a bad KVTOP_* value stops here, not in a step
@@ -91,7 +91,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
         if config.kv_cache_dtype == "fp8_e4m3":
             calibrate_fp8(self.runner, self.tokenizer)
-        self.metrics, self.trace = Metrics(), TraceRecorder(config.block_size)  # trace: engine/trace.py's rings
+        self.metrics, self.trace = (
+            Metrics(),
+            TraceRecorder(config.block_size),
+        )  # trace: engine/telemetry/trace.py's rings
         self.generator = torch.Generator().manual_seed(config.seed)
         self.limits = PromptLimits(self.spec.vocab_size, self.max_model_len, self.kv.num_blocks * config.block_size)
         self.max_seq_len = self.limits.max_seq_len

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.flight_recorder import FlightRecorder  # noqa: E402
+from engine.telemetry.flight_recorder import FlightRecorder  # noqa: E402
 from kvtop.protocol.config import EngineConfig  # noqa: E402
 from kvtop.protocol.sizing import bytes_per_token  # noqa: E402
 from kvtop.protocol.snapshot import write_snapshot  # noqa: E402

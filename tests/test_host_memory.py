@@ -1,4 +1,4 @@
-"""A CPU engine keeps the memory a step frees for the next step (engine/host_memory.py): a tensor of a
+"""A CPU engine keeps the memory a step frees for the next step (engine/runtime/host_memory.py): a tensor of a
 step's size allocated again after it was freed faults no page in. Each case runs in a fresh
 process, since malloc's settings are process-wide and earlier tests move glibc's own thresholds."""
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # first, from argv[1].
 PROBE = """
 import ctypes, json, resource, sys, threading
-from engine.host_memory import keep_freed_memory
+from engine.runtime.host_memory import keep_freed_memory
 if len(sys.argv) > 1:
     from engine import LLM
     LLM(sys.argv[1], dtype="float32", kv_cache_memory="8MiB", quiet=True)
@@ -51,7 +51,7 @@ def probe(*args: str, malloc: str | None = None) -> dict:
     env.pop("KVTOP_MALLOC", None)
     if malloc is not None:
         env["KVTOP_MALLOC"] = malloc
-    hook = "from engine.host_memory import keep_freed_memory\n"
+    hook = "from engine.runtime.host_memory import keep_freed_memory\n"
     code = PROBE if args else PROBE.replace(hook, hook + "keep_freed_memory()\n", 1)
     done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.metrics import Metrics
+from engine.telemetry.metrics import Metrics
 from kvtop.protocol.snapshot import REDACTED, SnapshotExists, write_snapshot
 from kvtop.protocol.snapshot_reader import load_snapshot
 from tests.server_harness import API_KEY, KVCTL, kvctl, short_tmpdir, start_server

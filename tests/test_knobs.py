@@ -1,4 +1,4 @@
-"""The engine's environment knobs (engine/knobs.py): one table holds every `KVTOP_*` variable the
+"""The engine's environment knobs (engine/runtime/knobs.py): one table holds every `KVTOP_*` variable the
 engine reads, docs/engine.md lists each, and a value that is not one of a knob's choices stops
 `kvctl run` with one line naming them rather than falling back to a default unseen."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.knobs import KNOBS, knob
+from engine.runtime.knobs import KNOBS, knob
 from kvtop.protocol.errors import ConfigError
 from tests.server_harness import kvctl
 
@@ -22,7 +22,7 @@ def test_every_variable_the_engine_names_is_in_the_table_and_the_docs():
     named = set()
     for path in (ROOT / "engine").rglob("*.py"):
         named |= set(re.findall(r"\bKVTOP_[A-Z0-9_]+\b", path.read_text()))
-    assert named - TOOLS_OWN == set(KNOBS), "a KVTOP_ variable read outside engine/knobs.py's table"
+    assert named - TOOLS_OWN == set(KNOBS), "a KVTOP_ variable read outside engine/runtime/knobs.py's table"
     docs = (ROOT / "docs" / "engine.md").read_text()
     table = docs[docs.index("## Environment knobs") :]
     for name, k in KNOBS.items():

@@ -307,7 +307,7 @@ async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path
 # ---- the frame check itself ---------------------------------------------------------------------
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
 def test_recorded_incidents_pass_the_frame_check(path: Path):
-    """If the schema gains a required key, old files must still replay (engine.stats.normalize_frame)."""
+    """If the schema gains a required key, old files must still replay (kvtop.protocol.frame.normalize_frame)."""
     from kvtop.protocol.snapshot_reader import SnapshotReader
 
     with SnapshotReader(path) as reader:

@@ -1,4 +1,4 @@
-"""One OpenMP team per process (engine/openmp.py): a thread done with parallel regions gives its
+"""One OpenMP team per process (engine/runtime/openmp.py): a thread done with parallel regions gives its
 worker threads back, so that the engine thread's team is the only one and its idle workers keep
 spinning between kernels instead of sleeping (what cost `kvctl serve` a third of its throughput)."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch  # noqa: F401  (maps libgomp into this process, for the skip below)
 
-from engine.openmp import loaded_libgomp
+from engine.runtime.openmp import loaded_libgomp
 
 SCRIPT = r"""
 import os, sys, threading
@@ -22,7 +22,7 @@ def compute():
     for _ in range(5):
         x = x * 1.0001 + 1  # element-wise ops over 4M floats: parallel regions in every build
 
-from engine.openmp import release_thread_pool
+from engine.runtime.openmp import release_thread_pool
 
 compute()  # the main thread's pool (as `kvctl serve` loads and warms up)
 released = release_thread_pool() if sys.argv[1] == "release" else False
@@ -58,7 +58,7 @@ def test_the_main_threads_openmp_workers_go_when_released():
 
 
 def test_release_is_off_when_asked(monkeypatch):
-    from engine.openmp import release_thread_pool
+    from engine.runtime.openmp import release_thread_pool
 
     monkeypatch.setenv("KVTOP_OMP_RELEASE", "0")
     assert release_thread_pool() is False

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+from engine.telemetry.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from kvtop.protocol.snapshot import read_snapshot
 from tests.server_harness import API_KEY, start_server
 

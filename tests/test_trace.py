@@ -1,4 +1,4 @@
-"""The request trace (engine/trace.py): what the engine records of each request and step, in a
+"""The request trace (engine/telemetry/trace.py): what the engine records of each request and step, in a
 snapshot's `requests`/`steps` tables and as JSONL — a real engine on the tiny model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The warm-up `kvctl serve` runs before its first request (engine/warmup.py): a full-budget
+"""The warm-up `kvctl serve` runs before its first request (engine/runtime/warmup.py): a full-budget
 prefill and a decode step that leave no trace an operator or a client could see."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.metrics import Counters
-from engine.warmup import PROMPT_TOKENS, warm_up
+from engine.runtime.warmup import PROMPT_TOKENS, warm_up
+from engine.telemetry.metrics import Counters
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -16,7 +16,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from engine.knobs import knob
+from engine.runtime.knobs import knob
 from kvtop.protocol.errors import ConfigError
 
 ELEMENTWISE_ENV = "KVTOP_TRITON_ELEMENTWISE"

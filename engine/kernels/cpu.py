@@ -26,8 +26,8 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.cpu_prefill import bf16_pairs_pay, sdpa_pays, sdpa_prefill_attention
-from engine.knobs import knob
-from engine.log import log
+from engine.runtime.knobs import knob
+from engine.runtime.log import log
 from kvtop.protocol.paths import cache_dir
 
 NAME = "kvtop_cpu_attention"

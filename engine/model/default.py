@@ -11,8 +11,8 @@ import zipfile
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.log import log
 from engine.model.gguf import convert_gguf, ready
+from engine.runtime.log import log
 from kvtop.protocol.paths import cache_dir
 
 KNOWN_MODELS = {

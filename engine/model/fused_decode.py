@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from engine.kernels.attention import AttentionBatch
-from engine.knobs import knob
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
 from engine.model.panel_linear import PanelGateUp, PanelLinear
 from engine.model.quant_linear import QuantLinear
+from engine.runtime.knobs import knob
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)

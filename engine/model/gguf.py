@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.log import log
+from engine.runtime.log import log
 from kvtop.protocol.paths import cache_dir
 
 FORMAT = 2  # 2: tied embeddings under transformers' name, model.embed_tokens.weight

@@ -27,10 +27,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.log import log
 from engine.model.llama import CausalLM
 from engine.model.quant_linear import KERNEL_FORMATS, QuantEmbedding, QuantLinear, dequantize, kernel_available
 from engine.model.spec import ModelSpec
+from engine.runtime.log import log
 from kvtop.protocol.paths import cache_dir
 
 # the GGUF architectures whose tensors map onto our decoder as llama's do

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.log import log
 from engine.model import default
 from engine.model.gguf import convert_gguf
 from engine.model.gguf_quant import load_quantized, quantized_load_refusal
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.spec import ModelSpec, config_fields, read_spec
+from engine.runtime.log import log
 
 
 @dataclass

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu
-from engine.knobs import knob
-from engine.log import log
 from engine.model.panel_linear import PanelEmbedding, PanelLinear, fits, kernel_available, to_panels, unpanelled
+from engine.runtime.knobs import knob
+from engine.runtime.log import log
 from kvtop.protocol.config import format_bytes
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

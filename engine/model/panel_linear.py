@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu
-from engine.log import log
+from engine.runtime.log import log
 
 PANEL = 48  # output columns per panel (csrc/fp32_gemm.cpp's and csrc/bf16_gemm.cpp's kNR)
 

@@ -22,12 +22,12 @@ from pathlib import Path
 import uvicorn
 
 from engine.drain import EngineState
-from engine.log import log
 from engine.model.packed_linear import weights_note
-from engine.openmp import release_thread_pool
+from engine.runtime.log import log
+from engine.runtime.openmp import release_thread_pool
+from engine.runtime.warmup import warm_up
 from engine.server.connections import QuietRepeats, raise_open_files_limit, uvicorn_config
 from engine.server.sockets import bind_tcp, bind_unix, check_socket
-from engine.warmup import warm_up
 from kvtop.protocol.config import EngineConfig, ServerConfig, format_bytes
 from kvtop.protocol.sockets import resolve_socket
 

@@ -27,7 +27,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.log import log
+from engine.runtime.log import log
 from engine.server.errors import closing_response
 from engine.server.protocol import APIError
 from kvtop.protocol.config import ServerConfig

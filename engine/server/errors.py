@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.log import log
+from engine.runtime.log import log
 from engine.server.protocol import APIError
 
 

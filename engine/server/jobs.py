@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from engine.metrics import RequestStats
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.loop import EngineLoop
+from engine.telemetry.metrics import RequestStats
 
 
 class Job:

@@ -22,13 +22,13 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.drain import EngineState
-from engine.flight_recorder import FlightRecorder
 from engine.llm_engine import LLMEngine
-from engine.log import log
-from engine.openmp import release_thread_pool
 from engine.outputs import RequestOutput
+from engine.runtime.log import log
+from engine.runtime.openmp import release_thread_pool
 from engine.sampling import SamplingParams
 from engine.server.triggers import SnapshotTriggers
+from engine.telemetry.flight_recorder import FlightRecorder
 from kvtop.protocol.config import ServerConfig
 from kvtop.protocol.snapshot import check_target, write_snapshot
 
@@ -149,7 +149,7 @@ class EngineLoop:
         dropped = self.engine.evict_prefix_cache(max_blocks)
         if threading.current_thread() is not self._thread:
             # spilling to the CPU tier copies KV here, off the engine thread: an OpenMP pool of this
-            # thread's would make the engine's team spin-starved again (engine/openmp.py)
+            # thread's would make the engine's team spin-starved again (engine/runtime/openmp.py)
             release_thread_pool()
         return dropped
 

@@ -5,7 +5,7 @@ per-sequence rows, the block map and the percentiles, which no metric carries) â
 `kvctl status` and the dashboard show â€” through a collector in a dedicated
 registry (never the process-global one), beside prometheus-client's `process_*`/`python_*`
 collectors. Histograms carry the engine's own bucket counts, i.e. vLLM's buckets
-(engine/metrics.py); the per-request ones come from `RequestStats`, which the API feeds.
+(engine/telemetry/metrics.py); the per-request ones come from `RequestStats`, which the API feeds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from engine.drain import EngineState
-from engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestStats
+from engine.telemetry.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestStats
 from kvtop.protocol import metric_names as M
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from fastapi.responses import Response
 
 from engine.drain import EngineState
 from engine.errors import EngineDrainingError, InvalidRequestError
-from engine.metrics import RequestStats
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.bodies import read_request
@@ -29,6 +28,7 @@ from engine.server.loop import EngineLoop
 from engine.server.prompts import PromptBuilder
 from engine.server.protocol import APIError, _SamplingRequest
 from engine.server.streaming import LogprobsFn
+from engine.telemetry.metrics import RequestStats
 from kvtop.protocol.version import __version__
 
 # (choice index, its finished output, its log-probs or None) -> the choice in the API's shape

@@ -49,7 +49,7 @@ class SimConfig:
 
 
 def recorded_config(header: dict) -> SimConfig:
-    """The configuration the trace was recorded under (engine/trace.py's `trace_header`)."""
+    """The configuration the trace was recorded under (engine/telemetry/trace.py's `trace_header`)."""
     try:
         return SimConfig(
             num_blocks=int(header["num_blocks"]),

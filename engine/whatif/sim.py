@@ -24,7 +24,7 @@ from engine.kv.cpu_tier import CpuTier
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceState
-from engine.trace import step_shape
+from engine.telemetry.trace import step_shape
 from engine.whatif.config import SimConfig
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.trace import RequestRecord, StepRecord

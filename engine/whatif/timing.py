@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import EngineError
-from engine.trace import StepShape
+from engine.telemetry.trace import StepShape
 from kvtop.protocol.stats_math import percentile
 from kvtop.protocol.trace import StepRecord
 

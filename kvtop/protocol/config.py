@@ -159,7 +159,7 @@ class ServerConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # headers + body whole this long after their first byte
     max_connections: int = 1024  # open connections; beyond it new ones get 503 (app.py's ConnectionLimits)
     max_connections_per_ip: int | None = None  # from one client address, beyond it 503; None: connections_per_ip()
-    warmup: bool = True  # one full-budget step before serving (engine/warmup.py)
+    warmup: bool = True  # one full-budget step before serving (engine/runtime/warmup.py)
 
     def __post_init__(self) -> None:
         self._check_durations()

@@ -1,6 +1,6 @@
 """The stats frame (DESIGN §6, `"schema": 1`) as types: the one place its shape is decided.
 
-The engine builds one (engine/stats.py's `build_frame`, the server's `server` section in
+The engine builds one (engine/telemetry/stats.py's `build_frame`, the server's `server` section in
 engine/server/loop.py), the control socket and `.kvsnap` files carry it as JSON, and the tools read
 it (kvtop's panels, `kvctl status`, replay). Partial frames — another engine's `/metrics` read by
 kvtop/sources/metrics.py — have the same shape, with what that engine cannot know left out or null.

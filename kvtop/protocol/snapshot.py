@@ -1,5 +1,5 @@
 """Snapshots (DESIGN §7): writing the `.kvsnap` SQLite file, for the engine's flight recorder
-(engine/flight_recorder.py) and for `kvctl record` alike.
+(engine/telemetry/flight_recorder.py) and for `kvctl record` alike.
 
 A snapshot holds the last minutes of stats frames plus the events, sequences and block table at
 the moment it was taken. Written with sqlite-utils into a 0600 temp file beside the target, then
@@ -237,7 +237,7 @@ _STEP_COLUMNS = {"step": int, "start": float, "end": float, "admitted": str, "pr
 
 
 def _fill_trace(db, trace: tuple[dict, list[dict], list[dict]] | None) -> None:
-    """The `requests` and `steps` tables (engine/trace.py's records; lists as JSON), empty without a trace."""
+    """The `requests` and `steps` tables (engine/telemetry/trace.py's records; lists as JSON), empty without a trace."""
     _, requests, steps = trace or ({}, [], [])
     db["requests"].insert_all(({**r, "block_hashes": json.dumps(r["block_hashes"])} for r in requests),
                               columns=_REQUEST_COLUMNS, batch_size=500)  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvtop.protocol.errors import KvtopError
 
-SNAPSHOT_SCHEMA_VERSION = 2  # 2: the request trace (`requests`, `steps`, meta `workload`; engine/trace.py)
+SNAPSHOT_SCHEMA_VERSION = 2  # 2: the request trace (`requests`, `steps`, meta `workload`; engine/telemetry/trace.py)
 READABLE_VERSIONS = (1, 2)
 TABLES = ("meta", "frames", "events", "sequences", "blocks")  # every version has these
 TRACE_TABLES = ("requests", "steps")  # version 2 on

@@ -7,7 +7,7 @@ prefixes survive) but nobody can confirm a guessed prompt by hashing it. `StepRe
 shape (prefill tokens, decode sequences, context tokens attended), its wall times, and what the
 scheduler decided (admissions with their prefix hits, preemptions, the peak blocks held).
 
-The engine records them (engine/trace.py), snapshots and trace files carry them
+The engine records them (engine/telemetry/trace.py), snapshots and trace files carry them
 (`kvtop.protocol.trace_file`), `kvctl bench` replays and writes them, `engine.whatif` simulates
 them. `chain_hash` is the prefix cache's own block hash (engine/kv/block_manager.py uses it), so a
 client that synthesizes prompts from a trace shares blocks where the recording did.

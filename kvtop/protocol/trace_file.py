@@ -3,7 +3,7 @@ from a JSONL file or from a `.kvsnap` snapshot's `requests` and `steps` tables.
 
 JSONL: one JSON object a line, each with a `type`. The first line is the `header`
 (`{"type": "header", "format": 1, "source": ..., "config": {...} | null}`: the engine that ran
-the trace, engine/trace.py's `trace_header`); then `request` lines (kvtop/protocol/trace.py's
+the trace, engine/telemetry/trace.py's `trace_header`); then `request` lines (kvtop/protocol/trace.py's
 `RequestRecord` fields) and, when the engine wrote it, `step` lines (`StepRecord` fields).
 """
 
@@ -28,7 +28,7 @@ class TraceError(KvtopError):
 @dataclass
 class Trace:
     source: str  # what it was read from, for messages
-    config: dict | None  # engine/trace.py's trace_header; None: a client's trace
+    config: dict | None  # engine/telemetry/trace.py's trace_header; None: a client's trace
     requests: list[RequestRecord]
     steps: list[StepRecord] = field(default_factory=list)
     model: str = ""

@@ -1,6 +1,6 @@
 """Engine metrics: latency histograms (vLLM's buckets), counters, throughput windows, events.
 
-The engine updates these on every step; `engine.stats` turns them into the stats frame. The
+The engine updates these on every step; `engine.telemetry.stats` turns them into the stats frame. The
 per-request figures vLLM exports (prompt and generation lengths, prefill/decode/inference time,
 `n`, `max_tokens`) are observed by the server as requests finish (`RequestStats`).
 """

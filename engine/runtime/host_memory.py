@@ -22,7 +22,7 @@ import ctypes
 import functools
 import platform
 
-from engine.knobs import knob
+from engine.runtime.knobs import knob
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 SETTINGS = ((M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20), (M_MMAP_THRESHOLD, 32 << 20))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.knobs import knob
+from engine.runtime.knobs import knob
 from kvtop.protocol.errors import ConfigError
 
 ENV = "KVTOP_FAULT_INJECT"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from engine.knobs import knob
+from engine.runtime.knobs import knob
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the threads, not only idle them
 ENV = "KVTOP_OMP_RELEASE"
