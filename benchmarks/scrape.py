@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.server.exposition import make_registry, render_metrics
 from engine.server.loop import EngineLoop
-from engine.server.metrics import make_registry, render_metrics
 from engine.telemetry.stats import build_frame, build_gauges
 from kvtop.protocol.config import EngineConfig, ServerConfig
 

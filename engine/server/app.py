@@ -200,8 +200,8 @@ async def _serve(
 ) -> int:  # fmt: skip
     from engine.server.api import PUBLIC_PATHS, build_api
     from engine.server.control import build_control
+    from engine.server.exposition import make_registry
     from engine.server.loop import EngineLoop
-    from engine.server.metrics import make_registry
 
     aloop = asyncio.get_running_loop()
     loop = EngineLoop(engine, config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from engine.server.metrics import CONTENT_TYPE, render_metrics
+from engine.server.exposition import CONTENT_TYPE, render_metrics
 from engine.server.openapi import HEALTH_DOC, MODEL_DOC, MODELS_DOC
 from engine.server.serving import Serving
 

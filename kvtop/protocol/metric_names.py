@@ -1,5 +1,5 @@
 """Every `kvtop_…` Prometheus metric name (DESIGN §6): the engine's `/metrics` writes them
-(engine/server/metrics.py), and the tools read them (kvctl bench, kvtop's metrics source) — one
+(engine/server/exposition.py), and the tools read them (kvctl bench, kvtop's metrics source) — one
 place, so neither side retypes a name.
 
 Names mirror vLLM's (`vllm:num_requests_running` → `kvtop_num_requests_running`) so existing

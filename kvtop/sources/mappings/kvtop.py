@@ -1,4 +1,4 @@
-"""Our own server's `/metrics` (engine/server/metrics.py): for an engine whose socket is out of reach."""
+"""Our own server's `/metrics` (engine/server/exposition.py): for an engine whose socket is out of reach."""
 
 from kvtop.protocol import metric_names as M  # where every kvtop_ name is defined: none is retyped here
 from kvtop.sources.mappings.mapping import Mapping
