@@ -174,7 +174,11 @@ class LLMEngine:
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the scheduler or added since the last step."""
-        return len(self.scheduler.waiting) + len(self._inbox)
+        return len(self.scheduler.waiting) + self.num_unscheduled()
+
+    def num_unscheduled(self) -> int:
+        """Requests added since the last step, not yet handed to the scheduler."""
+        return len(self._inbox)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -188,7 +192,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             shape, hits = step_shape(batch.seqs, batch.num_new_tokens), [s.num_computed_tokens for s in batch.admitted]
             held = max(batch.peak_held_blocks, self.kv.num_blocks - self.block_manager.num_free)
-            self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, held / self.kv.num_blocks)
+            self.metrics.observe_kv_usage(held / self.kv.num_blocks)
             now = time.time()
             where = "spilled to the CPU tier" if self.block_manager.cpu is not None else "dropped"
             self.metrics.prefix_evictions(self.block_manager.prefix.evictions - evictions_before, now, where)
@@ -222,8 +226,7 @@ class LLMEngine:
             self.trace.step(self.step_count, start, now, batch, shape, held, hits)
             self.step_count += 1
             self.metrics.record_step(now)
-            usage = 1.0 - self.block_manager.num_free / self.kv.num_blocks
-            self.metrics.peak_kv_usage = max(self.metrics.peak_kv_usage, usage)
+            self.metrics.observe_kv_usage(1.0 - self.block_manager.num_free / self.kv.num_blocks)
             self.drain_state.settle(len(self.seqs))
         return outputs
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceState
 from kvtop.protocol.config import EngineConfig
+from kvtop.protocol.frame import SchedulerInfo
 
 StopCheck = Callable[[Sequence, int], "tuple[str, str] | None"]  # (finish_reason, detail) when the token ends it
 
@@ -41,6 +42,12 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+def active_tokens(running, block_size: int) -> int:
+    """Tokens the running sequences hold KV slots for. A prompt in prefill counts from the step
+    that schedules it (its blocks are taken then), not only once its KV is written."""
+    return sum(max(s.num_computed_tokens, min(s.num_tokens, len(s.block_table) * block_size)) for s in running)
 
 
 class Scheduler:
@@ -63,6 +70,19 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemptions_total = 0
+
+    def stats(self, queued_elsewhere: int = 0) -> SchedulerInfo:
+        """The scheduler's part of the stats frame; `queued_elsewhere`: requests added but not yet
+        handed to it (the engine's inbox), counted as waiting."""
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + queued_elsewhere,
+            "swapped": len(self.swapped),
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "active_tokens": active_tokens(self.running, self.bm.block_size),
+            "preemptions_total": self.preemptions_total,
+        }
 
     @classmethod
     def from_config(cls, block_manager: BlockManager, config: EngineConfig) -> Scheduler:

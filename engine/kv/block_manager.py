@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.cpu_tier import CpuTier
 from engine.sequence import Sequence
+from kvtop.protocol.frame import PrefixCache
 from kvtop.protocol.trace import chain_hash
 
 
@@ -38,6 +39,22 @@ class PrefixStats:
     hit_requests: int = 0  # requests with at least one block hit
     evictions: int = 0  # cached blocks reallocated (their prefix lost, or spilled to the host)
     restored_blocks: int = 0  # prefix blocks found on the host tier and brought back
+
+    def report(self, enabled: bool, cached_blocks: int, prefill_s_per_token: float | None) -> PrefixCache:
+        """The prefix cache's part of the stats frame; the prefill it saved priced at `prefill_s_per_token`."""
+        return {
+            "enabled": enabled,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "queries": self.queries,
+            "hit_requests": self.hit_requests,
+            "request_hit_rate": self.hit_requests / self.queries if self.queries else 0.0,
+            "saved_prefill_s": self.hit_tokens * prefill_s_per_token if prefill_s_per_token else 0.0,
+            "evictions": self.evictions,
+            "restored_blocks": self.restored_blocks,
+            "cached_blocks": cached_blocks,
+        }
 
 
 # a prefix hit: (on_host, block id) — device blocks are reused in place, host ones restored

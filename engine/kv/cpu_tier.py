@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtop.protocol.frame import CpuTier as CpuTierInfo
+
 
 class BlockCopier(Protocol):
     def copy_to_host(self, device_ids: list[int], host_ids: list[int]) -> None: ...
@@ -57,6 +59,27 @@ class CpuTier:
     def num_used(self) -> int:
         """Blocks holding data: swapped sequences' and spilled prefixes."""
         return self.num_blocks - len(self.free_queue) + len(self.prefix_of)
+
+    def report(self, swapped_seqs: int) -> CpuTierInfo:
+        """The CPU tier's part of the stats frame: its occupancy and what its transfers cost."""
+        t = self.stats
+        return {
+            "enabled": True,
+            "num_blocks": self.num_blocks,
+            "used": self.num_used,
+            "prefix_blocks": len(self.prefix_of),
+            "swapped_sequences": swapped_seqs,
+            "bytes": self.num_blocks * self.block_bytes,
+            "swap_outs": t.swap_outs,
+            "swap_ins": t.swap_ins,
+            "swap_out_bytes": t.swap_out_blocks * self.block_bytes,
+            "swap_in_bytes": t.swap_in_blocks * self.block_bytes,
+            "spilled_blocks": t.spills,
+            "restored_blocks": t.restores,
+            "dropped_blocks": t.dropped,
+            "to_host_s": t.to_host_s,
+            "to_device_s": t.to_device_s,
+        }
 
     def states(self) -> str:
         """One char per host block: `o` holds KV (swapped or spilled), `.` free."""

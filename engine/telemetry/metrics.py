@@ -102,6 +102,10 @@ class Metrics:
         self._evictions_unreported = 0
         self._evictions_reported_at = 0.0
 
+    def observe_kv_usage(self, usage: float) -> None:
+        """The KV usage now (blocks held / blocks): the peak the frame reports never falls below it."""
+        self.peak_kv_usage = max(self.peak_kv_usage, usage)
+
     def event(self, kind: str, seq_id: str | None = None, detail: str = "") -> dict:
         """Append an event to the ring; returns it (a snapshot that fails takes its own back)."""
         # every frame and snapshot carries the ring: text that cannot be UTF-8 (a lone surrogate

@@ -1,6 +1,9 @@
-"""The stats frame (DESIGN §6) built from the engine's public parts. Its shape is decided by its
-types in kvtop/protocol/frame.py (which the tools read by, and whose JSON Schema the tests
-validate these frames against); this fills them in.
+"""The stats frame (DESIGN §6): the composition of what each component reports of itself, in the
+types of kvtop/protocol/frame.py (which the tools read by, and whose JSON Schema the tests
+validate these frames against) — `Scheduler.stats()` (SchedulerInfo), `PrefixStats.report()`
+(PrefixCache), `CpuTier.report()` (the CPU tier), the block manager's map and counts, the
+metrics' histograms and counters. Nothing here writes a component's state (the KV usage's peak
+is the metrics' own, `Metrics.observe_kv_usage`).
 
 `build_frame(engine)` is called under the engine lock; everything it returns is plain JSON.
 `build_gauges(engine)` is what a `/metrics` scrape reads, also under the lock: the same sections
@@ -56,7 +59,7 @@ def build_frame(engine: LLMEngine) -> StatsFrame:
         },
         "kv": kv_section,
         "sequences": sequences,
-        "scheduler": _scheduler(engine),
+        "scheduler": engine.scheduler.stats(queued_elsewhere=engine.num_unscheduled()),
         "prefix": _prefix(engine, kv_section["cached"]),
         "latency": {key: h.summary(now) for key, h in _latency(engine).items()},
         "throughput": m.throughput(now),
@@ -75,7 +78,7 @@ def build_gauges(engine: LLMEngine) -> dict:
         "ts": now,
         "engine": {"state": engine.state, "uptime_s": now - engine.start_time, "step": engine.step_count},
         "kv": kv_section,
-        "scheduler": _scheduler(engine),
+        "scheduler": engine.scheduler.stats(queued_elsewhere=engine.num_unscheduled()),
         "prefix": _prefix(engine, kv_section["cached"]),
         "latency": {key: h.counts_only() for key, h in _latency(engine).items()},
         "counters": _counters(engine),
@@ -85,19 +88,6 @@ def build_gauges(engine: LLMEngine) -> dict:
 def memory_gauges(engine: LLMEngine) -> dict:
     """What a scrape sends of the memory: the process's resident bytes and the weights' (no NVML)."""
     return {"device_used": _device_used(engine), "weights": engine.weights_bytes}
-
-
-def _scheduler(engine: LLMEngine) -> dict:
-    sched = engine.scheduler
-    return {
-        "running": len(sched.running),
-        "waiting": engine.num_waiting(),
-        "swapped": len(sched.swapped),
-        "max_num_seqs": sched.max_num_seqs,
-        "max_num_batched_tokens": sched.max_num_batched_tokens,
-        "active_tokens": active_tokens(sched.running, engine.kv.block_size),
-        "preemptions_total": sched.preemptions_total,
-    }
 
 
 def _latency(engine: LLMEngine) -> dict:
@@ -117,22 +107,9 @@ def _counters(engine: LLMEngine) -> dict:
 
 
 def _prefix(engine: LLMEngine, cached_blocks: int) -> PrefixCache:
-    """The frame's `prefix`: what the prefix cache served, and the prefill time that saved."""
-    bm, p = engine.block_manager, engine.block_manager.prefix
-    spt = engine.metrics.prefill_seconds_per_token()
-    return {
-        "enabled": bm.enable_prefix_caching,
-        "query_tokens": p.query_tokens,
-        "hit_tokens": p.hit_tokens,
-        "hit_rate": p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
-        "queries": p.queries,
-        "hit_requests": p.hit_requests,
-        "request_hit_rate": p.hit_requests / p.queries if p.queries else 0.0,
-        "saved_prefill_s": p.hit_tokens * spt if spt else 0.0,
-        "evictions": p.evictions,
-        "restored_blocks": p.restored_blocks,
-        "cached_blocks": cached_blocks,
-    }
+    """The frame's `prefix`: the prefix cache's own report, its saved prefill priced at today's speed."""
+    bm = engine.block_manager
+    return bm.prefix.report(bm.enable_prefix_caching, cached_blocks, engine.metrics.prefill_seconds_per_token())
 
 
 def _kv(engine: LLMEngine) -> KVCache:
@@ -141,8 +118,11 @@ def _kv(engine: LLMEngine) -> KVCache:
     blocks = bm.block_states()
     counts = block_counts(blocks[: kv.num_blocks])
     held = counts["used"] + counts["shared"]  # blocks held by requests: vLLM's kv_cache_usage_perc
-    # the peak is never below what this frame shows (it is also sampled after every schedule)
-    m.peak_kv_usage = max(m.peak_kv_usage, held / kv.num_blocks)
+    cpu: CpuTier = (
+        bm.cpu.report(len(engine.scheduler.swapped))
+        if bm.cpu is not None
+        else {"num_blocks": 0, "used": 0, "enabled": False}
+    )
     return {
         "block_size": kv.block_size,
         "num_blocks": kv.num_blocks,
@@ -150,43 +130,13 @@ def _kv(engine: LLMEngine) -> KVCache:
         "allocatable": counts["free"] + counts["cached"],
         "offloaded": blocks.count("o"),
         "usage": held / kv.num_blocks,
-        "peak_usage": m.peak_kv_usage,
+        "peak_usage": max(m.peak_kv_usage, held / kv.num_blocks),  # never below what this frame shows
         "bytes_per_token": kv.bytes_per_token,
         "total_bytes": kv.total_bytes,
         "used_bytes": held * kv.block_size * kv.bytes_per_token,
         "dtype": kv.kv_cache_dtype,
         "blocks": blocks,
-        "cpu": _cpu_tier(bm.cpu, len(engine.scheduler.swapped)),
-    }
-
-
-def active_tokens(running, block_size: int) -> int:
-    """Tokens the running sequences hold KV slots for. A prompt in prefill counts from the step
-    that schedules it (its blocks are taken then), not only once its KV is written."""
-    return sum(max(s.num_computed_tokens, min(s.num_tokens, len(s.block_table) * block_size)) for s in running)
-
-
-def _cpu_tier(cpu, swapped_seqs: int) -> CpuTier:
-    """The CPU tier's occupancy and what its transfers cost (zeros when there is none)."""
-    if cpu is None:
-        return {"num_blocks": 0, "used": 0, "enabled": False}
-    t = cpu.stats
-    return {
-        "enabled": True,
-        "num_blocks": cpu.num_blocks,
-        "used": cpu.num_used,
-        "prefix_blocks": len(cpu.prefix_of),
-        "swapped_sequences": swapped_seqs,
-        "bytes": cpu.num_blocks * cpu.block_bytes,
-        "swap_outs": t.swap_outs,
-        "swap_ins": t.swap_ins,
-        "swap_out_bytes": t.swap_out_blocks * cpu.block_bytes,
-        "swap_in_bytes": t.swap_in_blocks * cpu.block_bytes,
-        "spilled_blocks": t.spills,
-        "restored_blocks": t.restores,
-        "dropped_blocks": t.dropped,
-        "to_host_s": t.to_host_s,
-        "to_device_s": t.to_device_s,
+        "cpu": cpu,
     }
 
 
