@@ -30,6 +30,7 @@ from tests.vllm_server import CounterLog, Load, require_vllm, samples, vllm_serv
 
 NUM_BLOCKS = 20  # of 128 tokens (vLLM's least for --max-model-len 2048 is 17): 12 clients preempt
 PREEMPTING_CLIENTS = 12
+SLACK_S = 1.0  # where a frame's window ends, against vLLM's own counter: a scrape's latency at most
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -178,21 +179,28 @@ async def test_a_preempting_vllm_is_kv_bound_and_preempt_per_s_is_its_counters_r
                 pilot, lambda: app.dashboard.source.current["ts"] - started > RATE_WINDOW_S + 2, "a full window", 120
             )
             compared = None
-            for _ in range(30):  # a frame whose window starts and ends away from a preemption
+            for _ in range(30):  # a frame whose window saw preemptions
                 ts, shown = await paused_view(pilot, app)
                 seen.append(glance(app))
                 begin = ts - RATE_WINDOW_S
-                if truth.still(begin - 1.5, begin + 1.5) and truth.still(ts - 1.5, ts):
-                    expected = (truth.at(ts) - truth.at(begin)) / RATE_WINDOW_S
-                    if expected > 0:
-                        compared = shown, expected
+                # the counter's own increase over the same 30 s, read straight from vLLM every 0.25 s;
+                # where the window's ends fall between two of its readings is uncertain by a scrape's
+                # latency, so the truth is a range: the fewest and the most preemptions it can hold
+                await until(pilot, lambda t=ts: bool(truth.readings) and truth.readings[-1][0] > t + SLACK_S,
+                            "vLLM's counter read past the frame", 30)  # fmt: skip
+                if None not in (truth.at(begin - SLACK_S), truth.at(ts - SLACK_S)):
+                    fewest = (truth.at(ts - SLACK_S) - truth.at(begin + SLACK_S)) / RATE_WINDOW_S
+                    most = (truth.at(ts + SLACK_S) - truth.at(begin - SLACK_S)) / RATE_WINDOW_S
+                    if most > 0:
+                        compared = shown, fewest, most
                         break
                 await pilot.press("space")  # resume: the next frame
                 await until(pilot, lambda t=ts: app.dashboard.source.current["ts"] > t, "the next scrape", 60)
-            assert compared is not None, f"no window away from a preemption: {truth.readings[-20:]}"
-            shown, expected = compared
-            print(f"preempt/s shown {shown}, vLLM's counter over the same {RATE_WINDOW_S:.0f} s {expected:.3f}/s")
-            assert shown is not None and abs(shown - expected) <= 0.25 * expected, compared
+            assert compared is not None, f"no window with a preemption: {truth.readings[-20:]}"
+            shown, fewest, most = compared
+            print(f"preempt/s shown {shown}, vLLM's counter over the same {RATE_WINDOW_S:.0f} s "
+                  f"{fewest:.3f}–{most:.3f}/s")  # fmt: skip
+            assert shown is not None and 0.75 * fewest <= shown <= 1.25 * most, compared
     finally:
         truth.close()
     try:

@@ -156,6 +156,8 @@ def _collapses(panel: Widget, frame: dict) -> bool:
 def draw(panel: Widget, view: View) -> None:
     """Draw `panel` from `view`: its figures, what a partial frame has in their place, or the one
     line that says why it cannot be drawn (collapsed where another panel can use its space)."""
+    if isinstance(panel, BlockMap | SequencesPanel) and not panel.children:
+        return  # mounting or being removed (a layout rebuilt, the dashboard going): drawn next frame
     collapse = _collapses(panel, view.frame)
     if panel.display == collapse:
         panel.display = not collapse

@@ -111,6 +111,8 @@ class BlockMap(VerticalScroll):
 
     def show(self, view: View) -> None:
         self.view = view
+        if not self.children:  # mounting or being removed: nothing to draw into (the next frame draws)
+            return
         width = self.scrollable_content_region.width
         height = self.scrollable_content_region.height
         if width <= 0:
