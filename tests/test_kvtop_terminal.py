@@ -27,6 +27,7 @@ from kvtop.protocol.snapshot import read_snapshot
 from kvtop.sources import ReplaySource
 from tests.helpers import widget_text as text
 
+pytestmark = pytest.mark.integration  # a real terminal (a pty) for kvtop: not the fast lane's
 ROOT = Path(__file__).resolve().parent.parent
 STORM = ROOT / "snapshots" / "preemption-storm.kvsnap"
 SGR = re.compile(r"\x1b\[([0-9;]*)m")
