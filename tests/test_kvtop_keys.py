@@ -480,10 +480,12 @@ async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatc
     from kvtop.dashboard.widgets.dashboard import Dashboard
 
     held = []  # the windows open now
+    opened = []  # every window opened so far: on a busy machine one can open and close between two polls
 
     def slow(original):
         async def wrapper(self, *args, **kwargs):
             held.append(self)
+            opened.append(self)
             await asyncio.sleep(0.3)
             held.remove(self)
             return await original(self, *args, **kwargs)
@@ -496,8 +498,9 @@ async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatc
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.press("G")  # the last frame: sequences in the table
         for size in [(80, 24), (160, 48)]:  # wide → tabs → wide
+            before = len(opened)
             await pilot.resize_terminal(*size)
-            await until(pilot, lambda: held, "the rebuild to start", timeout=10)
+            await until(pilot, lambda n=before: len(opened) > n, "the rebuild to start", timeout=60)
             while held or app.query_one(Dashboard).rebuilding:  # both windows, and between them
                 await pilot.press("j", "k", "enter", "z", "Z", "O", "1", "right", "slash", "escape", "G")
             await until(pilot, lambda: "Sequences (" in str(app.query_one(SequencesPanel).border_title), "a redraw")
