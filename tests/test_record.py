@@ -398,3 +398,37 @@ def test_an_engine_that_stops_answering_for_a_while_is_recorded_around_the_gap(v
     frames = read_snapshot(out).frames
     assert len(frames) == len(served) - 3  # every page that answered, none made up for the gap
     assert [f["scheduler"]["running"] for f in frames[:3]] == [0, 0, 8]  # t0, t1, then t2 after the gap
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_a_vllm_replay_survives_a_burst_of_keys_and_resizes(size):
+    """A careless operator on the vLLM recording: every view key in a burst, tabs, zoom on the
+    derived strip, the filter on a sequences panel with no table, details with nothing selected,
+    resizes between the layouts — kvtop stays up, on its dashboard, drawing the strip and the counts."""
+    from kvtop.dashboard.app import KvtopApp
+    from kvtop.dashboard.widgets.block_map import BlockMap
+    from kvtop.dashboard.widgets.dashboard import Dashboard
+    from kvtop.dashboard.widgets.sequences import SequencesPanel
+    from tests.helpers import until
+    from tests.helpers import widget_text as text
+
+    app = KvtopApp(ReplaySource.open(PRESSURE_SNAPSHOT))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        keys = ["G", "1", "z", "z", "Z", "2", "j", "k", "enter", "escape", "slash", "x", "escape", "3", "w", "4",
+                "5", "v", "v", "right", "left", "bracketleft", "bracketright", "g", "space", "space", "o", "escape"]  # fmt: skip
+        await pilot.press(*keys)
+        for other in [(160, 48), (60, 18), size]:
+            await pilot.resize_terminal(*other)
+            await pilot.press("1", "2", "z", "G")
+        await until(pilot, lambda: not app.query_one(Dashboard).rebuilding, "the layout to settle")
+        assert app.is_running and app.screen is app.dashboard
+        await pilot.press("1")
+        await until(pilot, lambda: "used" in text(app.query_one(BlockMap).query_one("#block-grid")), "the strip")
+        await pilot.press("2")
+        await until(
+            pilot,
+            lambda: "running ·" in " ".join(text(n) for n in app.query_one(SequencesPanel).query(".absent-note")),
+            "the sequences panel's counts",
+        )
