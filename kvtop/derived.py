@@ -62,13 +62,14 @@ def _prefix_collapse(before: dict, after: dict) -> str | None:
     """The event's detail where the window's hit rate fell below half the run's between the two frames."""
     recent0, recent1 = figure(before, "prefix.window_hit_rate"), figure(after, "prefix.window_hit_rate")
     run0, run1 = figure(before, "prefix.hit_rate"), figure(after, "prefix.hit_rate")
-    if None in (recent0, recent1, run0, run1) or run1 < PREFIX_HIT_WORTH:  # type: ignore[operator]
+    if recent0 is None or recent1 is None or run0 is None or run1 is None or run1 < PREFIX_HIT_WORTH:
         return None
-    if not (recent0 >= run0 / 2 > 0 and recent1 < run1 / 2):  # type: ignore[operator]
+    if not (recent0 >= run0 / 2 > 0 and recent1 < run1 / 2):
         return None
+    window = figure(after, "throughput.window_s") or 0.0
     return (
-        f"prefix hit rate over the last {figure(after, 'throughput.window_s') or 0:.0f} s {recent1 * 100:.1f} % "  # type: ignore[operator]
-        f"(was {recent0 * 100:.1f} %), below half the run's {run1 * 100:.1f} %"  # type: ignore[operator]
+        f"prefix hit rate over the last {window:.0f} s {recent1 * 100:.1f} % "
+        f"(was {recent0 * 100:.1f} %), below half the run's {run1 * 100:.1f} %"
     )
 
 

@@ -71,10 +71,6 @@ def _glyph(ch: str) -> str:
     return "░" if ch == "." else "█"
 
 
-def _style(ch: str) -> str:
-    return fmt.BLOCK_STYLES[ch]
-
-
 def _cells(counts: list[int], width: int) -> list[int]:
     """`width` cells shared in proportion to `counts` (largest remainders), a nonzero count never 0 cells."""
     total = sum(counts) or 1
@@ -152,9 +148,9 @@ class BlockMap(VerticalScroll):
         blocks = bool(kv.get("num_blocks") or "free" in kv)  # else hundredths of a pool counted in tokens
         bar = Text()
         for (ch, _), cells in zip(parts, _cells([n for _, n in parts], width), strict=True):
-            bar.append(_glyph(ch) * cells, _style(ch))
+            bar.append(_glyph(ch) * cells, fmt.BLOCK_STYLES[ch])
         legend = Text("  ").join(
-            Text.assemble((_glyph(ch), _style(ch)), f" {n:,}{'' if blocks else ' %'} {fmt.BLOCK_NAMES[ch]}")
+            Text.assemble((_glyph(ch), fmt.BLOCK_STYLES[ch]), f" {n:,}{'' if blocks else ' %'} {fmt.BLOCK_NAMES[ch]}")
             for ch, n in parts
         )
         note = next((line for line in frame.get("unavailable", []) if "block map" in line), "no block map")
