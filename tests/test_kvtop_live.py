@@ -4,6 +4,7 @@ restarting. One server for the module; the last test kills and restarts it."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -276,13 +277,18 @@ async def test_evict_the_prefix_cache(server: Engine):
 
 @pytest.mark.anyio
 async def test_a_frame_landing_before_the_dashboard_is_mounted_does_not_end_kvtop(server: Engine):
-    """The first poll can race the first layout: its frame (or a lost connection) then finds no
-    dashboard to mark. Seen once in CI as NoMatches ending the app; here the dashboard is taken
-    away and both messages arrive: kvtop must keep running and keep polling."""
+    """The first poll can race the first layout, and a frame can land while the dashboard is
+    being taken away panel by panel (seen in CI: a sequences panel that had lost its table but not
+    its note, NoMatches ending the app). Here frames are drawn all through the removal, then a lost
+    connection and a frame arrive with no dashboard: kvtop must keep running and keep polling."""
     app = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.dashboard.source.current is not None, "a first frame")
-        await app.query_one(Dashboard).remove()
+        removal = asyncio.ensure_future(app.query_one(Dashboard).remove())
+        while not removal.done():  # frames landing while its panels are taken away one by one
+            app.dashboard.redraw()
+            await asyncio.sleep(0)
+        await removal
         app.post_message(SourceLost("the engine went away", time.time(), 0.2))
         app.post_message(FrameArrived(app.dashboard.source.current))
         await pilot.pause(0.3)

@@ -153,10 +153,19 @@ def _collapses(panel: Widget, frame: dict) -> bool:
     )
 
 
+def _in_flux(panel: Widget) -> bool:
+    """`panel` is being mounted (a block map or sequences panel before its children) or removed.
+    Textual marks every node of a subtree it removes, then takes them away one by one: a panel can
+    have lost its table and kept its note, so its children alone cannot tell."""
+    if isinstance(panel, BlockMap | SequencesPanel) and not panel.children:
+        return True
+    return any(getattr(node, "_pruning", False) for node in panel.ancestors_with_self)
+
+
 def draw(panel: Widget, view: View) -> None:
     """Draw `panel` from `view`: its figures, what a partial frame has in their place, or the one
     line that says why it cannot be drawn (collapsed where another panel can use its space)."""
-    if isinstance(panel, BlockMap | SequencesPanel) and not panel.children:
+    if _in_flux(panel):
         return  # mounting or being removed (a layout rebuilt, the dashboard going): drawn next frame
     collapse = _collapses(panel, view.frame)
     if panel.display == collapse:
