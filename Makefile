@@ -70,7 +70,8 @@ completions: $(STAMP)
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# unit tests only: no model, server or terminal (tests/conftest.py marks the rest `integration`)
+# unit tests only: no model, process, terminal or listening socket (tests/conftest.py marks the rest
+# `integration` and fails an unmarked test that starts one); about 75 s on 2 cores
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration" $(PYTEST_ARGS)
 

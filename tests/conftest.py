@@ -6,7 +6,10 @@ Models load once per session. Tiny models borrow SmolLM2's tokenizer so text pro
 from __future__ import annotations
 
 import os
+import pty
 import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,37 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if (MODEL_FIXTURES | PEER_FIXTURES).intersection(item.fixturenames) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def fast_lane_stays_in_process(request, monkeypatch):
+    """A test of the fast lane (not `integration`) runs in this process: it starts no process, opens
+    no terminal and listens on no socket, which is what keeps `make test-fast` under two minutes.
+    One that does fails here, naming what it started, until it is marked `integration`."""
+    if request.node.get_closest_marker("integration"):
+        yield
+        return
+    started: list[str] = []
+    popen_init, fork, listen = subprocess.Popen.__init__, pty.fork, socket.socket.listen
+
+    def popen(self, args, *rest, **kwargs):
+        started.append(f"a process ({args if isinstance(args, str) else ' '.join(map(str, args))[:80]})")
+        popen_init(self, args, *rest, **kwargs)
+
+    def terminal():
+        started.append("a terminal (pty.fork)")
+        return fork()
+
+    def listening(self, *backlog):
+        started.append(f"a listening socket ({self.family.name})")
+        return listen(self, *backlog)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(pty, "fork", terminal)
+    monkeypatch.setattr(socket.socket, "listen", listening)
+    yield
+    if started:
+        pytest.fail(f"a fast-lane test started {', '.join(dict.fromkeys(started))}: mark it `pytest.mark.integration`")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -52,6 +52,7 @@ def test_bench_compare_two_runs(server, tmp_path):
     assert "output tok/s" in proc.stdout and "×" in proc.stdout
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_bench_without_a_server_is_one_line(tmp_path):
     proc = kvctl("bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2")
     assert proc.returncode == 2
@@ -59,6 +60,7 @@ def test_bench_without_a_server_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_bench_bad_arguments(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
@@ -131,6 +133,7 @@ def test_bench_base_url_forms_are_the_same_server():
         assert bench.api_base(pasted) == root
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_the_metrics_poller_survives_failed_scrapes():
     """A busy server that fails a few scrapes (here a plain HTTP server that answers 503, then
     times out once, then serves) must not end the sampling: the later peak is still seen."""

@@ -69,6 +69,7 @@ def base():
     server.shutdown()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_fleet_round_is_bounded_and_marks_the_bad_targets(base):
     good = [f"{base}/{kind}/{n}/metrics" for n in range(7) for kind in PAGES]  # 21 engines
     urls = [*good, f"{base}/hang", f"{base}/drip", f"{base}/garbage"]

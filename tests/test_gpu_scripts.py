@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,8 +45,8 @@ def test_the_gpu_engine_check_runs_on_the_cpu_and_finds_the_tokens_equal(smollm2
     assert "launches from the host" in proc.stdout
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_the_gpu_engine_check_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):
-    import pytest
     import torch
 
     if torch.cuda.is_available():

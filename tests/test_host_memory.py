@@ -64,6 +64,7 @@ def test_a_cpu_engine_keeps_freed_memory(tiny_dir):
 
 
 @glibc
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_the_settings_are_what_keeps_it():
     """The same probe without an engine: with the settings no page faults again; with KVTOP_MALLOC=0
     (glibc's defaults) the second allocation faults its pages in again, so the test above can fail."""

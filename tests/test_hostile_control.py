@@ -264,6 +264,7 @@ def test_automatic_snapshots_pick_fresh_names(tmp_path):
 
 
 # ---- the socket path ----------------------------------------------------------------------------
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_a_socket_path_too_long_fails_before_the_model_loads(tmp_path):
     """The model here cannot load: the socket's error, not the model's, proves the check came first."""
     broken = tmp_path / "broken-model"

@@ -232,6 +232,7 @@ def test_a_new_process_start_time_is_a_new_run_with_no_rate_yet():
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.integration  # an HTTP server on a real socket
 async def test_the_dashboard_stays_up_and_draws_a_dash_for_every_unusable_value(hostile, kind):
     m = by_kind(kind)
     url = serve(hostile, "/metrics", page(m, itertools.cycle(HOSTILE)))  # each value somewhere
@@ -248,6 +249,7 @@ async def test_the_dashboard_stays_up_and_draws_a_dash_for_every_unusable_value(
 
 
 @pytest.mark.anyio
+@pytest.mark.integration  # an HTTP server on a real socket
 async def test_one_hostile_engine_in_a_fleet_is_a_row_the_good_one_is_another(hostile):
     bad = serve(hostile, "/bad/metrics", page(by_kind("vllm"), itertools.repeat("+Inf")))
     good = serve(hostile, "/good/metrics", (FIXTURES / "vllm_real_t2.prom").read_text())
@@ -335,6 +337,7 @@ async def test_a_replayed_recording_with_such_values_draws_dashes_and_flags_the_
 
 
 @pytest.mark.parametrize("path", ["/big", "/big-declared"])
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_100_mb_page_is_refused_at_the_cap_without_being_read_whole(hostile, path):
     source = MetricsSource(hostile.base + path, timeout=10.0)
     tracemalloc.start()
@@ -359,6 +362,7 @@ def test_kvctl_status_refuses_a_100_mb_page_in_one_line(hostile):
 
 
 @pytest.mark.parametrize("path", ["/drip-body", "/drip-headers"])
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_page_sent_a_byte_at_a_time_is_given_up_at_the_deadline(hostile, path):
     http = client(timeout=5.0)  # each byte comes well within the per-read timeout
     t0 = time.monotonic()
@@ -391,6 +395,7 @@ def exit_status(term: Terminal, timeout: float = 60.0) -> int:
     return term.hang_up()
 
 
+@pytest.mark.integration  # a real terminal (a pty)
 def test_a_dashboard_that_raises_in_a_handler_exits_1_with_one_line(tmp_path: Path):
     env = base_env(TERM="xterm", KVTOP_CACHE=str(tmp_path))
     code = "from kvtop.dashboard.dashboard_screen import DashboardScreen as D\nD.action_help = lambda self: 1 / 0\n" + (

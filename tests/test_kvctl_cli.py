@@ -47,6 +47,7 @@ def run(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_no_engine_is_one_line_and_exit_2(tmp_path):
     sock = tmp_path / "nobody.sock"
     proc = kvctl("status", "--socket", str(sock))  # as a user runs it
@@ -154,6 +155,7 @@ def test_a_url_that_cannot_be_used_is_one_line(command, url, tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_serve_refuses_a_busy_port_before_loading_anything(tmp_path, capsys):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -229,6 +231,7 @@ def _good_snapshot(path: Path) -> Path:
     return write_snapshot(path, model="m", config={}, reason="test", frames=[frame, {**frame, "ts": 2.0}], events=[])
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_replay_refuses_a_bad_file_in_one_line(tmp_path, capsys):
     missing = tmp_path / "missing.kvsnap"
     proc = kvctl("replay", str(missing))  # as a user runs it
@@ -241,6 +244,7 @@ def test_replay_refuses_a_bad_file_in_one_line(tmp_path, capsys):
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.integration  # a real terminal (a pty)
 def test_replay_opens_the_dashboard_on_the_file(tmp_path):
     """`kvctl replay FILE` on a terminal: the dashboard comes up replaying that file, `q` quits, exit 0."""
     snap = shutil.copy(ROOT / "snapshots" / "preemption-storm.kvsnap", tmp_path / "storm.kvsnap")
@@ -283,6 +287,7 @@ def test_completions_are_up_to_date(tmp_path):
         )
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvctl_completion_prints_the_checked_in_scripts(capsys):
     proc = kvctl("completion", "bash")
     assert proc.returncode == 0 and proc.stdout == (COMPLETIONS / "kvctl.bash").read_text()
@@ -298,6 +303,7 @@ def _bash_complete(words: list[str]) -> list[str]:
     return [w for w in out.splitlines() if w]
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_bash_completion_completes():
     assert _bash_complete(["kvctl", "dr"]) == ["drain"]
     assert _bash_complete(["kvctl", "serve", "--kv-cache-d"]) == ["--kv-cache-dtype"]
@@ -315,6 +321,7 @@ def test_zsh_and_fish_scripts_parse(shell):
             subprocess.run([shell, "-n", str(path)], check=True)
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_version_of_kvctl_and_kvtop():
     from kvtop import __version__
 

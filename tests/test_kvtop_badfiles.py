@@ -72,6 +72,7 @@ def test_bad_file_is_one_line_and_a_nonzero_exit(case: str, tmp_path: Path, caps
     assert "Traceback" not in err
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_bad_file_from_the_console_script(tmp_path: Path):
     """The installed entry point: nothing but the one line reaches the terminal."""
     path = tmp_path / "garbage.kvsnap"
@@ -138,6 +139,7 @@ SEQ = {"id": "s", "state": "running", "prompt_tokens": 1, "output_tokens": 1, "c
 
 @pytest.mark.parametrize("tool", ["kvtop", "kvctl"])
 @pytest.mark.parametrize("case", sorted(CRAFTED))
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_crafted_snapshot_is_one_line_and_exit_1(case: str, tool: str, tmp_path: Path):
     make, expected = CRAFTED[case]
     path = tmp_path / "crafted.kvsnap"
@@ -157,6 +159,7 @@ def test_crafted_snapshot_is_one_line_and_exit_1(case: str, tool: str, tmp_path:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 5 s of Pilot: the full suite's, not the fast lane's
 async def test_a_bad_frame_met_while_replaying_is_a_status_line(tmp_path: Path):
     from kvtop.dashboard.app import KvtopApp
     from kvtop.dashboard.widgets.header import EngineHeader
@@ -255,6 +258,7 @@ def _open_look_and_quit(path: Path, frames: int) -> float:
             os.waitpid(term.pid, 0)
 
 
+@pytest.mark.integration  # a real terminal (a pty)
 def test_a_big_recording_opens_at_once_answers_q_and_stays_small(big_snapshot: Path):
     small = _open_look_and_quit(SNAPSHOTS[0], 100)
     big = _open_look_and_quit(big_snapshot, BIG_FRAMES)
@@ -282,6 +286,7 @@ def test_lazy_frames_keep_a_bounded_cache(big_snapshot: Path):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 2 s of Pilot: the full suite's, not the fast lane's
 async def test_a_frame_with_100k_sequences_draws_a_window_of_them(tmp_path: Path):
     from kvtop.dashboard.app import KvtopApp
     from kvtop.dashboard.widgets.sequences import MAX_ROWS, SequencesPanel, SequencesTable

@@ -60,6 +60,7 @@ def table_rows(screen: FleetScreen) -> list[Row]:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration  # an HTTP server on a real socket
 async def test_at_80_columns_each_engine_shows_its_state_and_the_cursors_whole_error(base):
     """An 80×24 terminal over SSH: the state is the second column, so the bad engine is seen without
     scrolling sideways; the header's second line gives the engine under the cursor its whole error."""
@@ -83,6 +84,7 @@ async def test_at_80_columns_each_engine_shows_its_state_and_the_cursors_whole_e
 
 
 @pytest.mark.anyio
+@pytest.mark.integration  # an HTTP server on a real socket
 async def test_a_fleet_of_24_stays_live_marks_the_bad_ones_sorts_and_drills_in(base):
     good = [f"{base}/{kind}/{n}/metrics" for n in range(7) for kind in PAGES]  # 21 engines
     bad = {f"{base}/hang": "slow", f"{base}/drip": "slow", f"{base}/garbage": "not metrics"}
@@ -270,6 +272,7 @@ def fake_prometheus():
         server.shutdown()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_figures_prometheus_answers_that_no_engine_can_have_are_left_out(fake_prometheus):
     for value in ("NaN", "+Inf", "-Inf", "-5", "1e308"):
         fleet = PrometheusFleet(fake_prometheus(value=value), timeout=5.0)
@@ -282,6 +285,7 @@ def test_figures_prometheus_answers_that_no_engine_can_have_are_left_out(fake_pr
         assert figures == (None,) * 6, value  # `-` on the screen, never -5 running or 1e310 %
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_prometheus_that_answers_a_byte_at_a_time_is_given_up_on_at_the_timeout(fake_prometheus):
     fleet = PrometheusFleet(fake_prometheus(drip=True), timeout=1.0)
     t0 = time.monotonic()

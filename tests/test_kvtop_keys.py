@@ -340,6 +340,7 @@ def markup_snapshot(tmp_path: Path) -> Path:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 3 s of Pilot: the full suite's, not the fast lane's
 async def test_replayed_sequence_id_with_markup(tmp_path: Path):
     path = markup_snapshot(tmp_path)
     app = KvtopApp(ReplaySource(read_snapshot(path)))
@@ -412,6 +413,7 @@ def test_terminal_type_ahead_does_not_drain_and_ctrl_c_quits(server: Engine):
     exits_cleanly(term)
 
 
+@pytest.mark.integration  # a real terminal (a pty)
 def test_terminal_replay_of_a_markup_id_and_f10_quits(tmp_path: Path):
     path = markup_snapshot(tmp_path)
     term = Terminal(["--replay", str(path)], base_env(TERM="xterm-256color"), size=(160, 48))
@@ -454,6 +456,7 @@ async def test_a_burst_of_enters_in_the_jump_dialog_jumps_once_and_kvtop_stays()
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 9 s of Pilot: the full suite's, not the fast lane's
 async def test_keys_while_resizes_rebuild_the_layout_do_not_crash():
     """A terminal dragged between sizes while keys arrive: each resize that changes the layout (tabs,
     overview, wide) rebuilds the sequences panel, and a key checked before its filter box exists
@@ -472,6 +475,7 @@ FOOTER_KEYS = {"Filter", "Sort", "Help", "Jump"}
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 3 s of Pilot: the full suite's, not the fast lane's
 async def test_keys_and_frames_in_the_middle_of_a_rebuild_wait_for_it(monkeypatch):
     """The rebuild a resize starts, held open (0.3 s with no panels, then 0.3 s with a sequences
     panel in the DOM before its table and filter box): the panels' keys (cursor, details, filter,

@@ -34,6 +34,7 @@ def test_there_are_incidents_to_replay():
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+@pytest.mark.slow  # 4 s of Pilot: the full suite's, not the fast lane's
 async def test_replay_steps_jumps_and_plays(path: Path):
     snap = read_snapshot(path)
     source = ReplaySource(snap)

@@ -130,6 +130,7 @@ async def test_clicks_select_a_row_open_it_and_sort_by_a_header():
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 3 s of Pilot: the full suite's, not the fast lane's
 async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
     snap = crowd(tmp_path)
     app = KvtopApp(ReplaySource(snap))
@@ -164,6 +165,7 @@ async def test_more_rows_than_lines_the_cursor_stays_on_screen(tmp_path: Path):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 2 s of Pilot: the full suite's, not the fast lane's
 async def test_a_narrow_panel_hides_the_least_needed_columns_not_the_latencies():
     """The 120x40 overview's sequences panel cannot hold every column: blocks (its KV MiB says as
     much), then cached, age, prompt go, so TTFT and ITL stay whole and clickable; the column sorted

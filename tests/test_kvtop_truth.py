@@ -313,6 +313,7 @@ def test_latency_axis_labels_keep_three_figures():
 
 
 # ---- a real terminal under NO_COLOR ----------------------------------------------------------------
+@pytest.mark.integration  # a real terminal (a pty)
 def test_no_color_means_no_colour_escape_at_all():
     """NO_COLOR: no foreground or background colour of any kind (not even greys); bold, dim and
     reverse video may stay, and the default colours (39, 49) are not colours."""

@@ -104,6 +104,7 @@ async def test_our_own_server_over_its_metrics_shows_the_kv_panel_and_no_drain_k
 
 
 @pytest.mark.anyio
+@pytest.mark.integration  # an HTTP server on a real socket
 async def test_a_recorded_vllm_says_what_it_cannot_show_and_offers_no_action(base, tmp_path: Path):
     app = KvtopApp(MetricsSource(f"{base}/vllm/0/metrics", interval=0.2))
     async with app.run_test(size=SIZE) as pilot:

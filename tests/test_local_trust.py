@@ -189,6 +189,7 @@ def test_serve_leaves_a_socket_file_of_another_user_alone(tmp_path, capsys):
 # ---- the clients' side --------------------------------------------------------------------------
 @needs_root
 @pytest.mark.parametrize("command", [["status"], ["drain", "--timeout", "5"], ["snapshot"]])
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvctl_refuses_a_socket_in_another_users_directory(in_their_dir, command):
     proc = kvctl(*command, "--socket", str(in_their_dir.path), timeout=60)
     line = one_line(proc)
@@ -199,6 +200,7 @@ def test_kvctl_refuses_a_socket_in_another_users_directory(in_their_dir, command
 
 
 @needs_root
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvctl_refuses_an_engine_process_of_another_user(behind_our_file):
     """The socket file and its directory are root's: only the kernel's word on the process
     listening (SO_PEERCRED) tells it is uid 65534's, and nothing is sent to it."""
@@ -210,6 +212,7 @@ def test_kvctl_refuses_an_engine_process_of_another_user(behind_our_file):
 
 
 @needs_root
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_the_user_named_in_kvtop_socket_owner_is_trusted(in_their_dir):
     """Root steering a service account's engine names that user; anyone else stays refused."""
     sock = str(in_their_dir.path)
@@ -223,6 +226,7 @@ def test_the_user_named_in_kvtop_socket_owner_is_trusted(in_their_dir):
 
 
 @needs_root
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvtop_refuses_it_before_the_dashboard_starts(in_their_dir, behind_our_file, capsys, monkeypatch):
     monkeypatch.setattr("kvtop.dashboard.app.KvtopApp.run", lambda self, *a, **k: pytest.fail("started"))
     for stand_in, says in ((in_their_dir, "belongs to"), (behind_our_file, "the process listening on it runs as")):

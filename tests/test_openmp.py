@@ -50,6 +50,7 @@ def _threads(mode: str) -> tuple[str, int]:
 
 
 @pytest.mark.skipif(loaded_libgomp() is None, reason="this torch does not use libgomp")
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_the_main_threads_openmp_workers_go_when_released():
     kept, with_both = _threads("keep")
     released, with_one = _threads("release")

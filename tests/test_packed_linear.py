@@ -75,7 +75,8 @@ def test_packed_layer_matches_nn_linear(dtype, rows, bias, monkeypatch):
     assert packed.weight.shape == linear.weight.shape and torch.equal(packed.weight.to_dense(), linear.weight)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 300, 2048])  # 1 or 2 A tiles, partial, several M blocks
+# 1 or 2 A tiles, partial, several M blocks; 2,048 rows are the full suite's (seconds at the logits head)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 300, pytest.param(2048, marks=pytest.mark.slow)])
 # (1000, 64): output rows that start off a cache line and end in a partial group of columns
 @pytest.mark.parametrize(
     "shape", [(960, 576, True), (49152, 576, False), (100, 70, True), (576, 1536, False), (1000, 64, True)]
@@ -204,7 +205,8 @@ def test_float32_gets_panel_layers_and_holds_its_weights_once(tiny_models, monke
     assert plain_bytes <= panel_bytes < plain_bytes * 1.05
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 63, 64, 65, 300, 2048])  # 8-row blocks, 64-row items
+# 8-row blocks, 64-row items; 2,048 rows are the full suite's (seconds at the logits head)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 63, 64, 65, 300, pytest.param(2048, marks=pytest.mark.slow)])
 # SmolLM2's qkv (bias), logits, down; N and K that pad; one short panel; K in three passes (AVX-512's
 # pass is 1,536 of K, AVX2's 128), the bias added once
 @pytest.mark.parametrize(

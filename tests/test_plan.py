@@ -55,6 +55,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)  # fmt: skip
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_plan_refuses_weights_that_do_not_fit_in_one_line():
     # Llama-3-8B in bf16 is 15 GiB of weights: 8 GiB (7.2 GiB usable) leaves nothing for KV
     proc = _plan("llama3-8b", "--memory", "8GiB")
@@ -65,6 +66,7 @@ def test_plan_refuses_weights_that_do_not_fit_in_one_line():
     assert "the weights (15.0 GiB) do not fit in 7.2 GiB usable (8.0 GiB × 0.9)" in lines[0]
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_plan_memory_and_kv_budget_agree_or_are_refused():
     ok = _plan("llama3-8b", "--memory", "80GiB", "--kv-cache-memory", "8GiB", "--json")
     assert ok.returncode == 0, ok.stderr
@@ -78,6 +80,7 @@ def test_plan_memory_and_kv_budget_agree_or_are_refused():
     assert "at most 57.0 GiB is left for KV" in too_much.stderr
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_plan_flags_a_context_beyond_the_models_positions_and_takes_utilization():
     proc = _plan("llama3-8b", "--memory", "80GiB", "--context", "8192,32768")
     assert proc.returncode == 0, proc.stderr

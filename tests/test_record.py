@@ -67,6 +67,7 @@ def truth(text: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvctl_record_from_a_vllm_page_replays_what_vllm_served(vllm_pages, tmp_path):
     url, served = vllm_pages
     out = tmp_path / "incident.kvsnap"
@@ -97,6 +98,7 @@ def test_kvctl_record_from_a_vllm_page_replays_what_vllm_served(vllm_pages, tmp_
         source.close()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_partial_frame_with_a_wrong_type_is_still_refused_by_replay(vllm_pages, tmp_path):
     url, _ = vllm_pages
     source = MetricsSource(url)
@@ -110,6 +112,7 @@ def test_a_partial_frame_with_a_wrong_type_is_still_refused_by_replay(vllm_pages
         ReplaySource.open(path)  # checked when opened: one line, not a traceback in a panel
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_record_frames_writes_what_the_dashboard_holds(vllm_pages, tmp_path):
     """The dashboard's `s` on a metrics source: the frames it already has, into a snapshot."""
     url, _ = vllm_pages
@@ -130,6 +133,7 @@ def test_record_frames_writes_what_the_dashboard_holds(vllm_pages, tmp_path):
     assert snap.meta["config"]["url"] == f"{url}/metrics"
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_record_refuses_to_replace_a_file_before_recording_and_replaces_with_force(vllm_pages, tmp_path):
     url, served = vllm_pages
     out = tmp_path / "x.kvsnap"
@@ -157,12 +161,14 @@ def test_record_refuses_to_replace_a_file_before_recording_and_replaces_with_for
         (["--url", "http://127.0.0.1:1", "--scrape-timeout", "soon"], "is not a time"),
     ],
 )
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_record_errors_are_one_line(args, message, tmp_path):
     r = kvctl("record", *args, "-o", str(tmp_path / "x.kvsnap"), timeout=30)
     assert r.returncode in (1, 2) and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x.kvsnap").exists()
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_a_trailing_slash_names_a_directory_that_must_exist(tmp_path):
     """`-o missing_dir/` is a directory that is not there: refused before recording, where it used
     to be written, a minute later, as a file named `missing_dir`."""
@@ -172,6 +178,7 @@ def test_a_trailing_slash_names_a_directory_that_must_exist(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
     """Ctrl-C or SIGTERM stops it, also when started from a script in the background (a
     non-interactive shell starts `cmd &` with SIGINT ignored: the recording went on for good)."""
@@ -195,6 +202,7 @@ def test_ctrl_c_stops_the_recording_and_keeps_it(vllm_pages, tmp_path, sig):
     assert len(read_snapshot(out).frames) >= answered - 1 >= 4
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_ctrl_c_before_a_slow_engine_answers_says_so_in_one_line(tmp_path):
     """A careless Ctrl-C while the engine has not answered the first scrape: one line, exit 130, no
     traceback and no file (it used to exit 130 without a word). The signal goes once the server
@@ -223,6 +231,7 @@ def test_ctrl_c_before_a_slow_engine_answers_says_so_in_one_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_stop_that_lands_in_a_finalizer_still_stops_the_recording(vllm_pages):
     """Python runs a signal handler wherever the main thread is, a finalizer included, and drops an
     exception raised there: Ctrl-C as a KeyboardInterrupt was lost that way once in CI and the
@@ -299,6 +308,7 @@ def test_the_vllm_recording_is_small_real_and_from_vllm():
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # 2 s of Pilot: the full suite's, not the fast lane's
 async def test_kvtop_replays_the_vllm_recording_with_its_kv_usage_and_no_block_map():
     from kvtop import fmt
     from kvtop.dashboard.app import KvtopApp
@@ -370,6 +380,7 @@ async def test_a_real_vllm_under_pressure_replays_with_its_panels_derived_and_it
         assert fmt.pct(frame["kv"]["usage"]) in strip
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_a_file_that_appears_while_recording_is_kept_and_the_recording_goes_beside_it(vllm_pages, tmp_path):
     url, served = vllm_pages
     out = tmp_path / "race.kvsnap"
@@ -388,6 +399,7 @@ def test_a_file_that_appears_while_recording_is_kept_and_the_recording_goes_besi
     assert read_snapshot(tmp_path / "race-1.kvsnap").frames[-1]["engine"]["kind"] == "vllm"
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_an_engine_that_stops_answering_for_a_while_is_recorded_around_the_gap(vllm_pages, tmp_path):
     url, served = vllm_pages
     out = tmp_path / "gap.kvsnap"
@@ -402,6 +414,7 @@ def test_an_engine_that_stops_answering_for_a_while_is_recorded_around_the_gap(v
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+@pytest.mark.slow  # 8 s of Pilot: the full suite's, not the fast lane's
 async def test_a_vllm_replay_survives_a_burst_of_keys_and_resizes(size):
     """A careless operator on the vLLM recording: every view key in a burst, tabs, zoom on the
     derived strip, the filter on a sequences panel with no table, details with nothing selected,

@@ -191,6 +191,7 @@ def test_control_socket_refuses_another_uid(server):
 
 
 # ---- SIGKILL during a snapshot write -------------------------------------------------------------
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_sigkill_during_snapshot_write_leaves_no_partial_file(tmp_path):
     writer = textwrap.dedent(f"""
         import sys, time
@@ -223,6 +224,7 @@ def test_sigkill_during_snapshot_write_leaves_no_partial_file(tmp_path):
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".kvsnap"] * (len(snaps) + 1)
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_bad_snapshot_files_are_refused_in_one_line(tmp_path):
     good_dir = short_tmpdir()
     (tmp_path / "text.kvsnap").write_text("hello")

@@ -133,6 +133,7 @@ def test_token_texts_describe_exactly_the_returned_text(tokenizer):
     assert cursor.take(ids[:3], 2, finished=False) == [(0, "Hi", 0)]
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_connections_are_accepted_with_nagle_off():
     """The API's connections send each write at once: with Nagle on (asyncio leaves it on for a
     socket made by `socket.create_server`), a kept-alive client's every later request waited ~40 ms

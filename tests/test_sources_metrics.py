@@ -214,6 +214,7 @@ def misbehaving():
     server.shutdown()
 
 
+@pytest.mark.integration  # an HTTP server on a real socket
 def test_a_hanging_or_garbage_endpoint_is_unavailable_not_stuck(misbehaving):
     from kvtop.sources import SourceUnavailable
     from kvtop.sources.metrics import MetricsSource
@@ -290,6 +291,7 @@ def test_kvctl_status_url_prints_what_metrics_serve(server):
         (["--engine", "vllm"], "--engine goes with --url"),
     ],
 )
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_kvctl_status_url_errors_are_one_line(args, says):
     from tests.server_harness import kvctl
 

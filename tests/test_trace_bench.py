@@ -55,6 +55,7 @@ def test_bench_replays_a_trace_and_writes_one(server, tmp_path):
     assert len(set(hashes)) < len(hashes), "the shared prefix is still shared"
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_a_bad_trace_for_bench_is_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"type": "header", "format": 1}\n{"type": "request", "id": "x"')
     r = kvctl("bench", "--base-url", "http://127.0.0.1:9", "--trace", str(tmp_path / "bad.jsonl"))

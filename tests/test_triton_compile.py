@@ -91,6 +91,7 @@ json.dump([{"name": name, "quant": quant, "residual": residual, "sm90": ".target
 """
 
 
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_every_triton_kernel_compiles_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

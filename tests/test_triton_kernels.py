@@ -202,7 +202,7 @@ def test_prefill_matches_reference(head_dim, heads, kv_heads, block_size):
     torch.testing.assert_close(out, ref.paged_prefill_attention(*args), **FP32_TOL)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])  # 32: the full suite's
 def test_chunked_prefill_equals_one_shot(block_size):
     """Two prompts prefilled in two chunks each (K/V stored chunk by chunk through `store_kv`)
     give the outputs of one shot."""
