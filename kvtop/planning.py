@@ -150,7 +150,8 @@ def plan(
     """Figures for a KV budget given directly (`kv_cache_memory`), or as what `memory` × utilization
     leaves after the weights, or both (the KV budget, checked against the memory). Raises PlanError
     where the weights or the budget do not fit. A GGUF's weights count as the engine holds them on
-    the CPU: with `quantization` auto its Q4_0/Q4_1/Q8_0 blocks as they are, with none de-quantized."""
+    the CPU: with `quantization` auto its blocks in the kernel's formats (sizing.GGUF_BLOCKS) as they are,
+    with none de-quantized."""
     shape = shape_from_config(config_for(model))
     params = parameter_count(shape)
     tensors = gguf_weight_tensors(model, shape, quantization)

@@ -25,14 +25,33 @@ needs_kernel = pytest.mark.skipif(not KERNEL, reason="the quantized kernel is no
 GEMV_ROWS = gemv_rows() if KERNEL else 4  # the kernel's register path up to this many rows, panels above
 
 
+# where each format keeps its fp16 super-scales in a block (the `gguf` package cannot quantize to the K
+# formats, so their blocks are random bytes with these set to small positive scales)
+K_FORMAT_SCALES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+
+
 def random_blocks(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=gen) * 0.05
-    return torch.from_numpy(quantize(weight.numpy(), fmt))
+    if fmt not in K_FORMAT_SCALES:
+        weight = torch.randn(n, k, generator=gen) * 0.05
+        return torch.from_numpy(quantize(weight.numpy(), fmt))
+    per_block, block_bytes = GGML_QUANT_SIZES[fmt]
+    blocks = torch.randint(0, 256, (n * k // per_block, block_bytes), generator=gen, dtype=torch.uint8)
+    for at in K_FORMAT_SCALES[fmt]:
+        scales = (torch.rand(blocks.shape[0], generator=gen) * 0.01 + 1e-4).half()
+        blocks[:, at : at + 2] = scales.view(torch.uint8).view(-1, 2)
+    return blocks.view(n, -1)
+
+
+def whole_blocks(fmt: GGMLQuantizationType, k: int) -> int:
+    """K rounded up to the format's block (256 values for the K formats: 32 -> 256, 576 -> 768)."""
+    per_block = GGML_QUANT_SIZES[fmt][0]
+    return -(-k // per_block) * per_block
 
 
 # (rows, N, K): one row (decode), 2-4 rows (the register path's odd remainders), GEMV_ROWS + 1 and up
 # (the panel path: a short last panel, several 256-row items, 300 rows); K an odd number of 32-blocks
+# (of 256-blocks for Q4_K and Q6_K, whole_blocks: 256, 768 or 1,536)
 SHAPES = [(1, 7, 32), (3, 50, 96), (GEMV_ROWS, 97, 160), (GEMV_ROWS + 1, 193, 576), (33, 100, 1536), (300, 49, 96)]
 
 
@@ -43,6 +62,7 @@ def test_the_kernel_computes_what_the_dequantized_weight_computes(fmt, shape):
     """Within fp32 rounding of the products' magnitudes (|x| @ |W|^T): the same numbers summed in
     another order, with a bias and in bf16 too."""
     m, n, k = shape
+    k = whole_blocks(fmt, k)
     layer = QuantLinear(random_blocks(fmt, n, k, seed=m + n), fmt, k, bias=torch.randn(n))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     dense = layer.dense_weight().double()
@@ -52,6 +72,25 @@ def test_the_kernel_computes_what_the_dequantized_weight_computes(fmt, shape):
     bf16 = layer(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
     assert ((bf16.double() - F.linear(x.bfloat16().double(), dense, layer.bias.double())).abs() / scale).max() < 1e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
+def test_one_hot_rows_read_the_reference_weight_back_bit_for_bit(fmt):
+    """x = rows of the identity: y = W^T's rows exactly, so each block's layout (which byte, which
+    nibble, which scale) is the reference's value for value — in the panels (prefill: all K rows) and
+    in the registers (decode: 1 to 4 rows; Q4_0's d * q - 8 d there is d * (q - 8) only up to rounding)."""
+    n, k = 61, whole_blocks(fmt, 96)
+    layer = QuantLinear(random_blocks(fmt, n, k, seed=7), fmt, k)
+    weight_t = layer.dense_weight().t()
+    assert torch.equal(layer(torch.eye(k)), weight_t)
+    for rows in range(1, GEMV_ROWS + 1):
+        picked = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
+        y = layer(torch.eye(k)[picked])
+        if fmt == GGMLQuantizationType.Q4_0:
+            torch.testing.assert_close(y, weight_t[picked], rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(y, weight_t[picked])
 
 
 @needs_kernel
@@ -199,7 +238,8 @@ def test_smollm2_quantized_greedy_tokens_match_the_dequantized_model(quantized):
 
 def rewrite_gguf(source, out, requantize: dict[str, GGMLQuantizationType]) -> None:
     """`source` copied to `out` (its metadata and tensors) with the tensors named in `requantize`
-    de-quantized and quantized again to the given type, as a file from another quantizer would hold them."""
+    de-quantized and quantized again to the given type, as a file from another quantizer would hold them
+    (a K format, which the `gguf` package cannot quantize to: random blocks of the tensor's shape)."""
     from gguf import GGUFWriter
 
     reader = GGUFReader(source)
@@ -213,7 +253,11 @@ def rewrite_gguf(source, out, requantize: dict[str, GGMLQuantizationType]) -> No
         data, kind = tensor.data, tensor.tensor_type
         if tensor.name in requantize:
             kind = requantize[tensor.name]
-            data = quantize(dequantize(tensor.data, tensor.tensor_type), kind)
+            if kind in K_FORMAT_SCALES:
+                k, n = (int(x) for x in tensor.shape)
+                data = random_blocks(kind, n, k, seed=n + k).numpy()
+            else:
+                data = quantize(dequantize(tensor.data, tensor.tensor_type), kind)
         writer.add_tensor(tensor.name, np.asarray(data), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -243,3 +287,32 @@ def test_a_tensor_type_without_a_kernel_is_dequantized_with_one_line_naming_it(s
     assert all(isinstance(m, QuantLinear) for m in [*others, model.layers[2].down_proj, model.logits_head])
     x = torch.randn(3, spec.intermediate_size)
     assert torch.allclose(down(x), F.linear(x, down.weight))
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_q4_k_and_q6_k_tensors_load_quantized_and_compute_the_files_values(smollm2_dir, tmp_path, capfd):
+    """SmolLM2 with a Q4_K and a Q6_K ffn_down (K = 1,536: six super-blocks): both load as `QuantLinear`
+    holding the file's bytes, with no de-quantization line, and compute what the `gguf` package's
+    de-quantization of the file's tensor computes."""
+    from engine.model.gguf_quant import load_quantized
+    from engine.model.loader import gguf_file
+    from engine.model.spec import read_spec
+
+    formats = {"blk.0.ffn_down.weight": GGMLQuantizationType.Q4_K, "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K}
+    variant = tmp_path / "smollm2-k.gguf"
+    rewrite_gguf(gguf_file("smollm2-135m"), variant, formats)
+    spec, _ = read_spec(smollm2_dir)
+    model = load_quantized(variant, spec, torch.float32)
+    assert "no quantized kernel" not in capfd.readouterr().err
+    x = torch.randn(6, spec.intermediate_size, generator=torch.Generator().manual_seed(0))
+    for i, (name, fmt) in enumerate(formats.items()):
+        down = model.layers[i].down_proj
+        tensor = next(t for t in GGUFReader(variant).tensors if t.name == name)
+        assert isinstance(down, QuantLinear) and down.fmt == fmt
+        assert down.blocks.numel() == tensor.n_bytes  # the file's bytes, nothing more
+        dense = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+        for rows in (x[:1], x):  # decode's register path and the panels
+            expected = F.linear(rows.double(), dense.double())
+            scale = F.linear(rows.double().abs(), dense.double().abs()) + 1.0
+            assert ((down(rows).double() - expected).abs() / scale).max() < 1e-5

@@ -7,7 +7,7 @@ converts the file to once; only the weights are read here, straight from the fil
 are the file's tensors' rows stacked (q, k, v; gate, up), with llama.cpp's permutation of the q and k
 rows undone as transformers undoes it, so the numbers are the de-quantized model's exactly.
 
-A tensor in a format our kernel does not run (Q4_K, Q6_K, F16…) is de-quantized (one line names the
+A tensor in a format our kernel does not run (Q5_0, Q5_K, F16…) is de-quantized (one line names the
 tensor and its type): never a refusal. A fused projection whose parts differ in format is
 de-quantized whole.
 """

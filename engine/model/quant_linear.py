@@ -1,7 +1,8 @@
 """Linear layers and embeddings whose weight stays in a GGUF block format (issue #41).
 
-A GGUF file's Q8_0, Q4_0 and Q4_1 weights are kept as the file holds them — uint8 [N, K/32 blocks],
-one row of blocks per output column — and multiplied by our kernel (engine/kernels/csrc/quant_gemm.cpp)
+A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights are kept as the file holds them — uint8
+[N, row bytes], one row of blocks (of 32 values; of 256 for the K formats) per output column — and
+multiplied by our kernel (engine/kernels/csrc/quant_gemm.cpp)
 on the CPU where it is built with AVX2 + FMA + F16C: `quant_gemv` de-quantizes inside the registers
 for a few rows (decode, where the weights' bytes set the time), and from `gemv_rows()` + 1 rows
 (prefill, batched decode) `quant_gemm` de-quantizes a panel of 48 columns into a cached fp32 buffer
@@ -24,8 +25,14 @@ from torch import nn
 
 from engine.kernels import cpu
 
-# the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0)
-KERNEL_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K)
+KERNEL_FORMATS = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
 
 
 def kernel_available() -> bool:
@@ -54,7 +61,7 @@ def row_bytes(fmt: GGMLQuantizationType, in_features: int) -> int:
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ bias) with W as GGUF blocks of one kernel format; x float32 or bfloat16 (computed
-    in fp32, returned in x's dtype). `blocks` is a buffer: [N, K/32 * block bytes] uint8."""
+    in fp32, returned in x's dtype). `blocks` is a buffer: [N, row_bytes(fmt, K)] uint8."""
 
     def __init__(self, blocks: torch.Tensor, fmt: GGMLQuantizationType, in_features: int, bias=None) -> None:
         super().__init__()

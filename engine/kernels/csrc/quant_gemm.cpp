@@ -2,11 +2,18 @@
 //
 // Why: a decode step reads every weight once, so its time is the weights' bytes over the memory
 // bandwidth; SmolLM2-135M's Q4_1 projections are 0.625 bytes a weight against fp32's 4. The weight
-// stays as the file holds it: [N, K/32 blocks] per output column, a block being
-//   Q8_0 (ggml type 8):  fp16 d, int8 q[32]                 w = d * q
-//   Q4_0 (ggml type 2):  fp16 d, 16 bytes of nibbles        w = d * (q - 8)
-//   Q4_1 (ggml type 3):  fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
-// (nibble j of the 16 bytes: the low half of byte j is element j, the high half element j + 16).
+// stays as the file holds it: one row of groups per output column, a group being
+//   Q8_0 (ggml type 8):  32 values: fp16 d, int8 q[32]                 w = d * q
+//   Q4_0 (ggml type 2):  32 values: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
+//   Q4_1 (ggml type 3):  32 values: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   (nibble j of the 16 bytes: the low half of byte j is element j, the high half element j + 16)
+//   Q4_K (ggml type 12): 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and
+//     mins, 128 bytes of nibbles; sub-block j of 32: w = (d * sc_j) * q - dmin * min_j, its nibbles
+//     the low (j even) or high (j odd) halves of bytes 32 (j / 2) .. + 32
+//   Q6_K (ggml type 14): 256 values, 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), int8
+//     scales[16] (one per 16 values), fp16 d; w = (d * scale) * (q - 32)
+// The kernels walk a column in sub-blocks of 32 values, each with one scale d and offset m (Q6_K's
+// two scales of 16 are folded into its values, which are then the reference's exactly, d = 1).
 //
 // Two kernels, both AVX2 + FMA + F16C, and quant_linear, which picks one by the row count:
 // - quant_gemv, for a few rows (decode): one work item is a run of output columns; each block of a
@@ -51,15 +58,21 @@
 
 namespace {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids, as engine/model/quant_linear.py names them
-constexpr int64_t kBlock = 32;
+// ggml's type ids, as engine/model/quant_linear.py names them
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kBlock = 32;  // values per sub-block: the unit both kernels walk
 constexpr int64_t kNR = kvtop_panels::kPanel;
 
-int64_t block_bytes(int64_t format) {
+// Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
+constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ6_K ? 8 : 1; }
+
+int64_t group_bytes(int64_t format) {
   switch (format) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
     default: return 0;
   }
 }
@@ -72,15 +85,17 @@ bool quant_linear_supported() {
 #endif
 }
 
-// blocks: a contiguous uint8 [N, K/32 * block bytes]; K a multiple of 32; a format the kernel runs.
+// blocks: a contiguous uint8 [N, K / group values * group bytes]; K a multiple of the group's
+// values; a format the kernel runs. Returns the group's bytes.
 int64_t check_blocks(const at::Tensor& blocks, int64_t format, int64_t n, int64_t k, const char* op) {
   TORCH_CHECK(quant_linear_supported(), op, ": this build has no AVX2 with FMA and F16C");
-  const int64_t bytes = block_bytes(format);
-  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0)");
-  TORCH_CHECK(k > 0 && k % kBlock == 0, op, ": K must be a positive multiple of 32");
+  const int64_t bytes = group_bytes(format);
+  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  const int64_t values = group_blocks(format) * kBlock;
+  TORCH_CHECK(k > 0 && k % values == 0, op, ": K must be a positive multiple of ", values);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && !blocks.is_cuda() && blocks.is_contiguous() && blocks.dim() == 2 &&
-                  blocks.size(0) == n && blocks.size(1) == k / kBlock * bytes,
-              op, ": the weight must be a contiguous uint8 [N, K/32 * ", bytes, "] on the CPU");
+                  blocks.size(0) == n && blocks.size(1) == k / values * bytes,
+              op, ": the weight must be a contiguous uint8 [N, K/", values, " * ", bytes, "] on the CPU");
   return bytes;
 }
 
@@ -91,16 +106,80 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One block's 32 quantized values as floats (nibbles unsigned 0..15, Q8_0 signed), in element order,
-// and its scale d and offset m: w = d * q + m (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up
-// to rounding; the panels compute it as the reference does, dequant_block).
+// One sub-block's 32 quantized values as floats (nibbles unsigned 0..15, Q8_0 signed; Q6_K's already
+// scaled: the reference's values), in element order, and its scale d and offset m: w = d * q + m
+// (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up to rounding; the panels compute it as the
+// reference does, dequant_block).
 struct Block {
   __m256 q[4];
   float d, m;
 };
 
+// 32 unsigned nibbles (the low or high halves of 16 bytes) as four registers of floats.
+inline void nibbles_to_floats(__m128i nibbles_lo8, __m128i nibbles_hi8, __m256 q[2]) {
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_lo8));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_hi8));
+}
+
+// Q4_K's sub-block j scale and min, 6 bits each, packed in 12 bytes (gguf's Q4_K.get_scale_min).
+inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j (0..7) of a Q4_K super-block: w = (d * sc) * q - dmin * min.
+inline Block load_q4k(const uint8_t* g, int j) {
+  Block out;
+  int sc, mn;
+  q4k_scale_min(g + 4, j, sc, mn);
+  out.d = half_at(g) * static_cast<float>(sc);
+  out.m = -(half_at(g + 2) * static_cast<float>(mn));
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i q = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  nibbles_to_floats(lo, _mm_srli_si128(lo, 8), out.q);
+  nibbles_to_floats(hi, _mm_srli_si128(hi, 8), out.q + 2);
+  return out;
+}
+
+// Sub-block j (0..7) of a Q6_K super-block, its values (d * scale) * (q - 32) as the reference
+// computes them; d = 1, m = 0. Values 128h .. 128h + 127 take ql[64h ..] (low nibbles for the first
+// 64, high for the next) and qh[32h ..] (2 bits at shift 2t for the t-th 32).
+inline Block load_q6k(const uint8_t* g, int j) {
+  Block out;
+  const int h = j / 4, t = j % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64 * h + 32 * (t & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 128 + 32 * h));
+  const __m256i low = t < 2 ? _mm256_and_si256(ql, _mm256_set1_epi8(0x0F))
+                            : _mm256_and_si256(_mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(0x03));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+  const int8_t* scales = reinterpret_cast<const int8_t*>(g + 192);
+  const float d = half_at(g + 208);
+  const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(scales[2 * j]));
+  const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(scales[2 * j + 1]));
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  out.q[0] = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+  out.q[1] = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+  out.q[2] = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+  out.q[3] = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+  out.d = 1.0f;
+  out.m = 0.0f;
+  return out;
+}
+
+// Sub-block j of group g (a K format's super-block; the block itself for the others, j = 0).
 template <int64_t F>
-inline Block load_block(const uint8_t* b) {
+inline Block load_block(const uint8_t* g, int j) {
+  if constexpr (F == kQ4_K) return load_q4k(g, j);
+  if constexpr (F == kQ6_K) return load_q6k(g, j);
+  const uint8_t* b = g;
   Block out;
   out.d = half_at(b);
   if constexpr (F == kQ8_0) {
@@ -136,12 +215,13 @@ constexpr int kRows = 4;  // rows per pass over a column: 4 accumulators + 4 blo
 template <int64_t F, int R>
 inline void column_rows(const float* x, int64_t k, const float* xsum, const uint8_t* col, int64_t bytes, float* y,
                         int64_t ldy) {
+  constexpr int64_t kG = group_blocks(F);
   const int64_t nb = k / kBlock;
   __m256 acc[R];
   float macc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    const Block blk = load_block<F>(col + b * bytes);
+    const Block blk = load_block<F>(col + b / kG * bytes, b % kG);
     const __m256 d = _mm256_set1_ps(blk.d);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k + b * kBlock;
@@ -150,7 +230,7 @@ inline void column_rows(const float* x, int64_t k, const float* xsum, const uint
       p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), blk.q[2], p);
       p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), blk.q[3], p);
       acc[r] = _mm256_fmadd_ps(p, d, acc[r]);
-      if constexpr (F != kQ8_0) macc[r] += blk.m * xsum[r * nb + b];
+      if constexpr (F != kQ8_0 && F != kQ6_K) macc[r] += blk.m * xsum[r * nb + b];
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + macc[r];
@@ -159,7 +239,7 @@ inline void column_rows(const float* x, int64_t k, const float* xsum, const uint
 template <int64_t F>
 void gemv_columns(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t bytes,
                   int64_t n0, int64_t n1, int64_t n, float* y) {
-  const int64_t row_bytes = k / kBlock * bytes, nb = k / kBlock;
+  const int64_t nb = k / kBlock, row_bytes = nb / group_blocks(F) * bytes;
   for (int64_t c = n0; c < n1; ++c) {
     const uint8_t* col = w + c * row_bytes;
     if (c + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(col + row_bytes), _MM_HINT_T0);
@@ -175,15 +255,20 @@ void gemv_columns(const float* x, int64_t m, int64_t k, const float* xsum, const
   }
 }
 
-// The reference's values for one block: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (no fma).
+// The reference's values for sub-block j of group g: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K
+// (d sc) q - dmin min (as d q + m: adding -x is subtracting x), Q6_K its values as loaded (no fma).
 template <int64_t F>
-inline void dequant_block(const uint8_t* b, __m256 out[4]) {
-  const Block blk = load_block<F>(b);
+inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
+  const Block blk = load_block<F>(g, static_cast<int>(j));
+  if constexpr (F == kQ6_K) {
+    for (int i = 0; i < 4; ++i) out[i] = blk.q[i];
+    return;
+  }
   const __m256 d = _mm256_set1_ps(blk.d);
   for (int i = 0; i < 4; ++i) {
     if constexpr (F == kQ4_0)
       out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(8.0f)));
-    else if constexpr (F == kQ4_1)
+    else if constexpr (F == kQ4_1 || F == kQ4_K)
       out[i] = _mm256_add_ps(_mm256_mul_ps(d, blk.q[i]), _mm256_set1_ps(blk.m));
     else
       out[i] = _mm256_mul_ps(d, blk.q[i]);
@@ -213,14 +298,15 @@ inline void transpose8(__m256 r[8]) {
 // Panel p of the de-quantized weight: out [K, 48], row k holding W[48p + c, k] (zero past N).
 template <int64_t F>
 void dequant_panel(const uint8_t* w, int64_t bytes, int64_t p, int64_t n, int64_t k, float* out) {
-  const int64_t row_bytes = k / kBlock * bytes, nb = k / kBlock;
+  constexpr int64_t kG = group_blocks(F);
+  const int64_t nb = k / kBlock, row_bytes = nb / kG * bytes;
   for (int64_t g = 0; g < kNR / 8; ++g) {  // 8 columns at a time
     const int64_t c0 = p * kNR + g * 8;
     for (int64_t b = 0; b < nb; ++b) {
       __m256 vals[8][4];
       for (int c = 0; c < 8; ++c) {
         if (c0 + c < n) {
-          dequant_block<F>(w + (c0 + c) * row_bytes + b * bytes, vals[c]);
+          dequant_block<F>(w + (c0 + c) * row_bytes + b / kG * bytes, b % kG, vals[c]);
         } else {
           for (int i = 0; i < 4; ++i) vals[c][i] = _mm256_setzero_ps();
         }
@@ -240,6 +326,8 @@ void by_format(int64_t format, const Body& body) {
   switch (format) {
     case kQ4_0: body(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: body(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ4_K: body(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ6_K: body(std::integral_constant<int64_t, kQ6_K>{}); break;
     default: body(std::integral_constant<int64_t, kQ8_0>{}); break;
   }
 }
@@ -279,7 +367,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t for
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
   // grain: a run of columns worth ~16 KiB of weight per task, so that small projections still split
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (nb * bytes));
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (nb / group_blocks(format) * bytes));
   by_format(format, [&](auto f) {
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       gemv_columns<decltype(f)::value>(xp, m, k, xsum.data(), wp, bytes, n0, n1, n, yp);
