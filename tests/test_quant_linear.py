@@ -316,3 +316,38 @@ def test_q4_k_and_q6_k_tensors_load_quantized_and_compute_the_files_values(smoll
             expected = F.linear(rows.double(), dense.double())
             scale = F.linear(rows.double().abs(), dense.double().abs()) + 1.0
             assert ((down(rows).double() - expected).abs() / scale).max() < 1e-5
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_what_it_does(
+    smollm2_dir, tmp_path, capfd
+):
+    """benchmarks/random_gguf.py's tiny Q4_K_M file (Q4_K, with Q6_K for the head and, in some layers,
+    attn_v and ffn_down): with quantization auto every projection stays in its blocks — a q/k/v whose
+    v is Q6_K as three parts — the weights take about the file's tensor bytes, and the config comes
+    from the file without de-quantizing it; the greedy tokens are those of transformers' de-quantized
+    conversion of the same file."""
+    import subprocess
+    import sys
+
+    from engine.model.quant_linear import StackedLinear
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    script = ["benchmarks/random_gguf.py", "--shape", "tiny", "--out", str(path)]
+    subprocess.run([sys.executable, *script], check=True, capture_output=True, timeout=300)
+    tensor_bytes = gguf_tensor_bytes(path)
+    prompts = ["Hello there, how are", "The capital of France is", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    quant = LLM(str(path), dtype="float32", quantization="auto", kv_cache_memory="64MiB", quiet=True)
+    err = capfd.readouterr().err
+    assert "converting" not in err and "no quantized kernel" not in err, err
+    memory = quant.stats()["memory"]
+    assert memory["weights_format"] == "Q6_K, Q4_K, float32"
+    assert memory["weights"] <= 1.1 * tensor_bytes
+    net = quant.engine.model
+    assert isinstance(net.layers[1].qkv_proj, StackedLinear)  # layer 1 of 2 gets more bits: v in Q6_K
+    assert all(isinstance(layer.gate_up_proj, QuantLinear) for layer in net.layers)
+    quantized_tokens = [o.token_ids for o in quant.generate(prompts, params)]
+    dense = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory="64MiB", quiet=True)
+    assert [o.token_ids for o in dense.generate(prompts, params)] == quantized_tokens

@@ -25,12 +25,51 @@ FORMAT = 2  # 2: tied embeddings under transformers' name, model.embed_tokens.we
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
+def _cache_key(gguf: Path) -> str:
+    """The file's path, size and modification time: a changed file is converted again."""
+    return hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def describe_gguf(gguf: Path) -> Path:
+    """An HF directory holding only a GGUF file's config and tokenizer, no weights: what a quantized
+    load needs beside the file (engine.model.gguf_quant reads the weights from the file itself).
+    Written once under the cache in seconds, where a full conversion de-quantizes every tensor in
+    memory (an 8B model's 32 GB of float32 would not fit). A full conversion's directory serves if
+    there is one."""
+    gguf = gguf.resolve()
+    key = _cache_key(gguf)
+    if ready(full := cache_dir() / "models" / f"{gguf.stem}-{key}"):
+        return full
+    out_dir = cache_dir() / "models" / f"{gguf.stem}-{key}-config"
+    if ready(out_dir):
+        return out_dir
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelLoadError(f"transformers could not read {gguf}: {exc}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _mark(tmp, {"source": str(gguf), "converted": time.time(), "weights": "none: read from the file"})
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
 def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file into an HF directory (once; cached by the file's path and size)."""
     gguf = gguf.resolve()
     if out_dir is None:
-        key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-        out_dir = cache_dir() / "models" / f"{gguf.stem}-{key}"
+        out_dir = cache_dir() / "models" / f"{gguf.stem}-{_cache_key(gguf)}"
     if ready(out_dir):
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer

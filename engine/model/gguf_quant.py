@@ -8,8 +8,9 @@ are the file's tensors' rows stacked (q, k, v; gate, up), with llama.cpp's permu
 rows undone as transformers undoes it, so the numbers are the de-quantized model's exactly.
 
 A tensor in a format our kernel does not run (Q5_0, Q5_K, F16…) is de-quantized (one line names the
-tensor and its type): never a refusal. A fused projection whose parts differ in format is
-de-quantized whole.
+tensor and its type): never a refusal. A fused projection whose parts differ in format (Q4_K_M's
+v in Q6_K beside q and k in Q4_K) is a `StackedLinear` of its parts, each quantized; de-quantized
+whole only where a part's format has no kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.model.llama import CausalLM
-from engine.model.quant_linear import KERNEL_FORMATS, QuantEmbedding, QuantLinear, dequantize, kernel_available
+from engine.model.quant_linear import (
+    KERNEL_FORMATS,
+    QuantEmbedding,
+    QuantLinear,
+    StackedLinear,
+    dequantize,
+    kernel_available,
+)
 from engine.model.spec import ModelSpec
 from engine.runtime.log import log
 from kvtop.protocol.paths import cache_dir
@@ -163,6 +171,10 @@ class GGUFWeights:
         if len(formats) == 1 and (fmt := formats.pop()) in KERNEL_FORMATS:
             blocks = torch.cat([fix(name, _blocks(self.data, p)) for name, p in zip(names, parts, strict=True)])
             return QuantLinear(blocks, fmt, k)
+        if all(p.fmt in KERNEL_FORMATS for p in parts):  # each part quantized in its own format
+            return StackedLinear(
+                [QuantLinear(fix(name, _blocks(self.data, p)), p.fmt, k) for name, p in zip(names, parts, strict=True)]
+            )
         self.dequantized += [f"{p.name} ({p.fmt.name})" for p in parts if p.fmt not in FLOATS]
         weight = torch.cat([fix(name, _floats(self.data, p)) for name, p in zip(names, parts, strict=True)])
         linear = nn.Linear(k, weight.shape[0], bias=False, device="meta")

@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model import default
-from engine.model.gguf import convert_gguf
+from engine.model.gguf import convert_gguf, describe_gguf
 from engine.model.gguf_quant import load_quantized, quantized_load_refusal
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
@@ -126,12 +126,15 @@ def resident_bytes(net: torch.nn.Module) -> int:
 def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = "none") -> LoadedModel:
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model_dir(model)
-    spec, config = read_spec(model_dir)
     source = gguf_file(model) if quantization == "auto" else None
     if source is not None and (refusal := quantized_load_refusal(source, device)):
         log(refusal)
         source = None
+    # a GGUF file loaded quantized needs only its config and tokenizer beside it, never the
+    # de-quantized copy (a known model's conversion exists already: every path shares it)
+    quantized_file = source is not None and model not in default.KNOWN_MODELS
+    model_dir = describe_gguf(source) if quantized_file else resolve_model_dir(model)
+    spec, config = read_spec(model_dir)
     if source is not None:
         net = load_quantized(source, spec, dtype)
     else:

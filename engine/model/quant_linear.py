@@ -90,6 +90,21 @@ class QuantLinear(nn.Module):
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+class StackedLinear(nn.Module):
+    """One projection made of a file's tensors in different formats — Q4_K_M keeps q and k in Q4_K
+    and, in some layers, v in Q6_K: each part keeps its own blocks and their outputs are concatenated,
+    where fusing them would de-quantize the whole projection."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table held as GGUF blocks (its own, or a tied logits head's): a lookup
     de-quantizes only the rows it reads. Any format the `gguf` package de-quantizes."""
