@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/quant.py                          # SmolLM2 Q4_1: 1 and 64 sequences
     .venv/bin/python benchmarks/quant.py --sequences 1 --rounds 3 # runs alternated, best and median
     .venv/bin/python benchmarks/quant.py --engines quant,bf16     # a subset
+    .venv/bin/python benchmarks/random_gguf.py --shape llama3-8b --out /tmp/llama3-8b-q4_k_m.gguf
+    .venv/bin/python benchmarks/quant.py --model /tmp/llama3-8b-q4_k_m.gguf --engines quant,llamacpp \
+        --sequences 1,16 --prompt-len 64 --max-tokens 16 --kv-cache-memory 8GiB
 
 Each engine runs in its own process, one at a time (two OpenMP processes on 2 cores ruin each
 other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
@@ -39,20 +42,23 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n)]
 
 
-def run_ours(name: str, n: int, prompt_len: int, max_tokens: int) -> dict:
+def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv: str | None) -> dict:
     """In this process (the child): load, warm up, time one generate of every prompt."""
+    import resource
+
     from engine import LLM, SamplingParams
 
     dtype, quantization = OURS[name]
-    kv = "1GiB" if n > 8 else "256MiB"
+    t0 = time.perf_counter()
     llm = LLM(
-        "smollm2-135m",
+        model,
         dtype=dtype,
         quantization=quantization,
-        kv_cache_memory=kv,
+        kv_cache_memory=kv or ("1GiB" if n > 8 else "256MiB"),
         enable_prefix_caching=False,
         quiet=True,
     )
+    load_seconds = time.perf_counter() - t0
     llm.generate(prompts(2, 16), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     work = prompts(n, prompt_len)
@@ -65,7 +71,17 @@ def run_ours(name: str, n: int, prompt_len: int, max_tokens: int) -> dict:
         "seconds": seconds,
         "weights": memory["weights"],
         "format": memory["weights_format"],
+        "kv": memory["kv"],
+        "load_seconds": load_seconds,
+        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def tensor_bytes(gguf: Path) -> int:
+    """The file's tensors' bytes (what resident weights are held against)."""
+    from engine.model.gguf_quant import read_index
+
+    return sum(t.n_bytes for t in read_index(gguf).tensors.values())
 
 
 def node_llama_cpp_dir() -> Path | None:
@@ -79,14 +95,19 @@ def node_llama_cpp_dir() -> Path | None:
     return home
 
 
-def run_llamacpp(n: int, prompt_len: int, max_tokens: int) -> dict | None:
+def gguf_path(model: str) -> Path:
+    """The GGUF file behind `model`: a known name's (fetched once) or the path given."""
     from engine.model.default import KNOWN_MODELS, fetch_gguf
 
+    return fetch_gguf(*KNOWN_MODELS[model]) if model in KNOWN_MODELS else Path(model)
+
+
+def run_llamacpp(model: str, n: int, prompt_len: int, max_tokens: int) -> dict | None:
     home = node_llama_cpp_dir()
     if home is None or shutil.which("node") is None:
         print(f"llamacpp: skipped (node and `npm install {NODE_LLAMA_CPP}` in $KVTOP_CACHE/node-llama-cpp)")
         return None
-    gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
+    gguf = gguf_path(model)
     cmd = ["node", "llamacpp_node.mjs", str(gguf), str(n), str(prompt_len), str(max_tokens), "2"]
     proc = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -96,12 +117,14 @@ def run_llamacpp(n: int, prompt_len: int, max_tokens: int) -> dict | None:
     return {**result, "weights": gguf.stat().st_size, "format": "GGUF file"}
 
 
-def child(engine: str, n: int, prompt_len: int, max_tokens: int) -> dict | None:
+def child(engine: str, args: argparse.Namespace, n: int) -> dict | None:
     """One engine's run in a fresh process."""
     if engine == "llamacpp":
-        return run_llamacpp(n, prompt_len, max_tokens)
-    cmd = [sys.executable, __file__, "--child", engine, "--sequences", str(n), "--prompt-len", str(prompt_len)]
-    cmd += ["--max-tokens", str(max_tokens)]
+        return run_llamacpp(args.model, n, args.prompt_len, args.max_tokens)
+    cmd = [sys.executable, __file__, "--child", engine, "--model", args.model, "--sequences", str(n)]
+    cmd += ["--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
+    if args.kv_cache_memory:
+        cmd += ["--kv-cache-memory", args.kv_cache_memory]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if proc.returncode != 0:
         print(f"{engine}: failed\n{proc.stderr[-2000:]}")
@@ -112,6 +135,8 @@ def child(engine: str, n: int, prompt_len: int, max_tokens: int) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="quant,bf16,fp32,llamacpp")
+    ap.add_argument("--model", default="smollm2-135m", help="a known name or a .gguf file")
+    ap.add_argument("--kv-cache-memory", help="ours: the KV cache's size (default 256MiB, 1GiB past 8 sequences)")
     ap.add_argument("--sequences", default="1,64", help="comma-separated sequence counts")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -119,19 +144,22 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = run_ours(args.child, int(args.sequences), args.prompt_len, args.max_tokens)
+        result = run_ours(args.child, args.model, int(args.sequences), args.prompt_len, args.max_tokens,
+                          args.kv_cache_memory)  # fmt: skip
         print(json.dumps(result))
         return
     engines = args.engines.split(",")
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
+    tensors = tensor_bytes(gguf_path(args.model))
+    print(f"model: {args.model}, its tensors {tensors / 2**20:.1f} MiB")
     for n in (int(s) for s in args.sequences.split(",")):
         rates: dict[str, list[float]] = {e: [] for e in engines}
         info: dict[str, dict] = {}
         for r in range(args.rounds):
             for engine in engines if r % 2 == 0 else engines[::-1]:
-                result = child(engine, n, args.prompt_len, args.max_tokens)
+                result = child(engine, args, n)
                 if result:
                     rates[engine].append(result["tokens"] / result["seconds"])
                     info[engine] = result
@@ -143,7 +171,12 @@ def main() -> None:
             best, median = max(rates[engine]), statistics.median(rates[engine])
             ratio = f"quant / {engine} = {base / best:.2f}x" if base and engine != "quant" else ""
             weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
-            print(f"  {engine:9s} best {best:8.1f}  median {median:8.1f}   weights {weights:40s} {ratio}")
+            print(f"  {engine:9s} best {best:8.2f}  median {median:8.2f}   weights {weights:40s} {ratio}")
+            if "kv" in info[engine]:
+                i = info[engine]
+                print(f"            weights {i['weights'] / tensors:.3f}x the file's tensor bytes, KV "
+                      f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
+                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

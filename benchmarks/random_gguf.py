@@ -52,6 +52,28 @@ def random_blocks(fmt, rows: int, k: int, rng: np.random.Generator) -> np.ndarra
     return blocks.reshape(rows, -1)
 
 
+def add_metadata(writer, shape: str, source) -> int:
+    """The shape's hyperparameters and `source`'s tokenizer; returns the vocabulary's size."""
+    hidden, inter, layers, heads, kv_heads = SHAPES[shape]
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    writer.add_name(f"random {shape} Q4_K_M (kvtop benchmarks/random_gguf.py)")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    return vocab
+
+
 def write(out: Path, shape: str, seed: int = 0) -> int:
     """Write the file; returns its tensors' bytes."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -60,24 +82,8 @@ def write(out: Path, shape: str, seed: int = 0) -> int:
 
     hidden, inter, layers, heads, kv_heads = SHAPES[shape]
     head_dim = hidden // heads
-    source = GGUFReader(fetch_gguf(*KNOWN_MODELS["smollm2-135m"]))
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(out, arch="llama")
-    writer.add_name(f"random {shape} Q4_K_M (kvtop benchmarks/random_gguf.py)")
-    writer.add_block_count(layers)
-    writer.add_context_length(8192)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    for field in source.fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    vocab = add_metadata(writer, shape, GGUFReader(fetch_gguf(*KNOWN_MODELS["smollm2-135m"])))
     rng = np.random.default_rng(seed)
     q4k, q6k = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
     total = 0

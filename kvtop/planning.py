@@ -16,6 +16,7 @@ from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.sizing import (
     ELEMENT_BYTES,
     GGUF_PRESETS,
+    INT8_PRESET,
     PRESETS,
     ModelShape,
     bytes_per_token,
@@ -201,6 +202,8 @@ def gguf_weight_tensors(model: str, shape: ModelShape, quantization: str) -> lis
     path = Path(model).expanduser()
     if quantization == "none":
         return None
+    if quantization == "int8":  # every projection, the head and the embedding made Q8_0 at load
+        return preset_tensors(shape, INT8_PRESET)
     if model in GGUF_PRESETS and not path.exists():
         return preset_tensors(shape, GGUF_PRESETS[model])
     if path.suffix != ".gguf" or not path.is_file():

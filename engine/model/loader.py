@@ -3,7 +3,8 @@
 GGUF files are converted once into an HF directory under the cache (`engine.model.gguf`); the
 shape of a model is `engine.model.spec`. With `quantization="auto"` a GGUF file's weights load
 from the file in their block formats (`engine.model.gguf_quant`); `"none"` (the default, until the
-quantized prefill is as fast as bf16's) loads the de-quantized directory's.
+quantized prefill is as fast as bf16's) loads the de-quantized directory's; `"int8"` makes any
+checkpoint's projections and head Q8_0 blocks at load (`engine.model.int8_weights`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.errors import ModelLoadError
 from engine.model import default
 from engine.model.gguf import convert_gguf, describe_gguf
 from engine.model.gguf_quant import load_quantized, quantized_load_refusal
+from engine.model.int8_weights import int8_refusal, quantize_int8
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.spec import ModelSpec, config_fields, read_spec
@@ -154,6 +156,14 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
     weights_bytes, fmt = resident_bytes(net), weights_format(net)
     if source is not None:  # the quantized layers are what runs: nothing to pack
         return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, 0, fmt)
+    if quantization == "int8" and (refusal := int8_refusal(device)) is not None:
+        log(refusal)
+    elif quantization == "int8":
+        if kept := quantize_int8(net, dtype):
+            log(
+                f"int8 weights: {', '.join(kept[:4])}{' …' if len(kept) > 4 else ''} kept as loaded (K not a multiple of 32)"
+            )
+        return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, resident_bytes(net), 0, weights_format(net))
     pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
     copy = second_copy_bytes(net)
     return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, copy, fmt)

@@ -80,7 +80,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         str,
         typer.Option(
             help=f"Weights: {_choice(QUANTIZATIONS)} (auto: a GGUF file's stay in its Q4/Q8 blocks on the CPU, "
-            "a quarter of fp32's bytes; none, the default for now: de-quantized to --dtype).",
+            "a quarter of fp32's bytes; none, the default for now: de-quantized to --dtype; int8: any "
+            "model's projections and head made Q8_0 blocks at load, on the CPU).",
             rich_help_panel=_P,
         ),
     ),

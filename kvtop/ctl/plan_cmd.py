@@ -17,7 +17,7 @@ QuantizationOption = Annotated[
     str,
     typer.Option(
         help=f"{' | '.join(QUANTIZATIONS)}: a GGUF's weights counted in their Q4/Q8 blocks as the engine "
-        "holds them on the CPU (auto), or de-quantized to --dtype (none)."
+        "holds them on the CPU (auto), de-quantized to --dtype (none), or any model's made Q8_0 at load (int8)."
     ),
 ]
 

@@ -51,7 +51,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
-QUANTIZATIONS = ("auto", "none")  # auto: a GGUF file's weights stay in their block formats on the CPU
+QUANTIZATIONS = ("auto", "none", "int8")  # auto: a GGUF file's weights stay in their block formats on the CPU;
+# int8: any checkpoint's made Q8_0 at load
 
 
 @dataclass

@@ -133,6 +133,8 @@ GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (25
 # The GGUF files behind the names the engine fetches, so the light install plans their quantized
 # bytes without the file: the projections' format and the embedding's (tied: also the logits head).
 GGUF_PRESETS = {"smollm2-135m": {"projections": "Q4_1", "embedding": "Q8_0"}}
+# `quantization="int8"`: any model's projections, head and embedding made Q8_0 blocks at load
+INT8_PRESET = {"projections": "Q8_0", "embedding": "Q8_0"}
 
 
 def tensor_bytes(fmt: str, elements: int, dtype: str) -> int:
