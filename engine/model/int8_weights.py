@@ -1,8 +1,8 @@
-"""Weights quantized at load, `quantization="int8"` (issue #41): any checkpoint's projections and
-logits head (and an untied embedding) become Q8_0 blocks — int8 values with one fp16 scale per 32 along K (finer than one
-scale per output channel, at 8.5 bits a weight) — and run on the kernel that runs a GGUF file's
-blocks (engine/model/quant_linear.py's QuantLinear). A tied embedding looks its rows up in the
-head's blocks: the table is held once. The blocks are the `gguf` package's Q8_0 quantization, so a
+"""Weights quantized at load, `quantization="int8"` (issue #41): any checkpoint's projections,
+logits head and untied embedding become Q8_0 blocks — int8 values with one fp16 scale per 32 along
+K (finer than one scale per output channel, at 8.5 bits a weight) — and run on the kernel that runs
+a GGUF file's blocks (engine/model/quant_linear.py's QuantLinear). A tied embedding looks its rows
+up in the head's blocks: the table is held once. The blocks are the `gguf` package's Q8_0 quantization, so a
 weight moves by at most half its block's step.
 
 On the CPU only, where the kernel is built (AVX2 + FMA + F16C); elsewhere, or for a projection whose
