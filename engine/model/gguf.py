@@ -57,11 +57,7 @@ def describe_gguf(gguf: Path) -> Path:
     config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     _mark(tmp, {"source": str(gguf), "converted": time.time(), "weights": "none: read from the file"})
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    _publish(tmp, out_dir)
     return out_dir
 
 
@@ -93,11 +89,7 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         tensors.pop(LM_HEAD, None)  # one tensor, under the name every loader reads
     _save(tensors, tmp / "model.safetensors")
     _mark(tmp, {"source": str(gguf), "converted": time.time()})
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    _publish(tmp, out_dir)
     log(f"converted in {time.time() - t0:.1f} s")
     return out_dir
 
@@ -140,6 +132,15 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """A finished directory written beside `out_dir` takes its place (a reader never sees half of one)."""
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
 
 
 def _mark(out_dir: Path, info: dict) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from torch import nn
 
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import PROJECTIONS
@@ -33,11 +32,9 @@ def int8_refusal(device: str) -> str | None:
     return None
 
 
-def to_int8(linear: nn.Linear) -> QuantLinear:
-    """`linear` as Q8_0 blocks (its bias kept in fp32)."""
-    weight = linear.weight.detach().float().numpy()
-    blocks = torch.from_numpy(quantize(weight, Q8_0))
-    return QuantLinear(blocks, Q8_0, weight.shape[1], bias=linear.bias)
+def q8_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight as Q8_0 blocks, uint8 [N, K/32 * 34]."""
+    return torch.from_numpy(quantize(weight.detach().float().numpy(), Q8_0))
 
 
 def quantize_int8(net: CausalLM, dtype: torch.dtype) -> list[str]:
@@ -50,17 +47,16 @@ def quantize_int8(net: CausalLM, dtype: torch.dtype) -> list[str]:
             if linear.in_features % BLOCK:
                 kept.append(f"layers.{i}.{name}")
                 continue
-            setattr(layer, name, to_int8(linear))
-    tied = net.lm_head is None
-    head = nn.Linear(net.spec.hidden_size, net.spec.vocab_size, bias=False, device="meta")
-    head.weight = net.embed_tokens.weight if tied else net.lm_head.weight
-    if head.in_features % BLOCK:
+            setattr(layer, name, QuantLinear(q8_blocks(linear.weight), Q8_0, linear.in_features, bias=linear.bias))
+    hidden = net.spec.hidden_size
+    if hidden % BLOCK:
         return [*kept, "logits head"]
-    net.logits_head = to_int8(head)
+    tied = net.lm_head is None
+    head = net.embed_tokens.weight if tied else net.lm_head.weight
+    net.logits_head = QuantLinear(q8_blocks(head), Q8_0, hidden)
     if tied:
         net.embed_tokens = QuantEmbedding.tied_to(net.logits_head, dtype)
     else:
         net.lm_head = net.logits_head
-        table = net.embed_tokens.weight.detach().float().numpy()
-        net.embed_tokens = QuantEmbedding(torch.from_numpy(quantize(table, Q8_0)), Q8_0, table.shape[1], dtype)
+        net.embed_tokens = QuantEmbedding(q8_blocks(net.embed_tokens.weight), Q8_0, hidden, dtype)
     return kept
