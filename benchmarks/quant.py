@@ -11,6 +11,8 @@ Each engine runs in its own process, one at a time (two OpenMP processes on 2 co
 other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
 generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
   quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head)
+  quant-bf16  the same blocks in a bf16 model (`dtype="bfloat16"`): bf16 activations; on AMX, prefill and
+            batched decode multiply bf16 tiles de-quantized a group at a time
   bf16      ours, the same file de-quantized to bf16 (`quantization="none"`)
   fp32      ours, de-quantized to fp32
   llamacpp  llama.cpp through node-llama-cpp 3.21.1 from npm (a prebuilt llama.cpp; installed once
@@ -33,7 +35,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"quant": ("float32", "auto"), "bf16": ("bfloat16", "none"), "fp32": ("float32", "none")}
+OURS = {
+    "quant": ("float32", "auto"),
+    "quant-bf16": ("bfloat16", "auto"),  # the blocks with bf16 activations (AMX for many rows, where present)
+    "bf16": ("bfloat16", "none"),
+    "fp32": ("float32", "none"),
+}
 NODE_LLAMA_CPP = "node-llama-cpp@3.21.1"
 
 

@@ -6,7 +6,8 @@ benchmarks/quant.py on a busy machine).
     .venv/bin/python benchmarks/quant_linear.py                       # Q4_1, Q8_0; 1, 4, 64, 256 rows
     .venv/bin/python benchmarks/quant_linear.py --formats Q4_1 --rows 1 --threads 1
 
-GB/s is the weights' bytes (as each path holds them) over the time: a decode step streams them once.
+"Q4_1 AMX" is the same blocks with bf16 activations on AMX (csrc/amx_linear.cpp's amx_quant_linear),
+where the CPU has it. GB/s is the weights' bytes (as each path holds them) over the time: a decode step streams them once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from engine.model.panel_linear import pack_panels
 def quant_fn(fmt: GGMLQuantizationType, name: str):
     n = SHAPES[name][0]
     return lambda x, w: torch.ops.kvtop_cpu.quant_linear(x, w, int(fmt), n, None)
+
+
+def quant_amx_fn(fmt: GGMLQuantizationType, name: str):
+    n = SHAPES[name][0]
+    return lambda x, w: torch.ops.kvtop_cpu.amx_quant_linear(x, w, int(fmt), n, None)
 
 
 def timed(fn_for, weights: dict, rows: int, dtype: torch.dtype, repeats: int) -> float:
@@ -58,6 +64,8 @@ def main() -> None:
         fmt = GGMLQuantizationType[name]
         blocks = {n: [torch.from_numpy(quantize(w.numpy(), fmt)) for w in ws] for n, ws in dense.items()}
         paths[name] = (blocks, lambda n, fmt=fmt: quant_fn(fmt, n), torch.float32)
+        if amx:  # bf16 activations: the blocks de-quantized a group at a time into AMX tiles
+            paths[f"{name} AMX"] = (blocks, lambda n, fmt=fmt: quant_amx_fn(fmt, n), torch.bfloat16)
     print(f"{torch.get_num_threads()} threads; SmolLM2-135M's linears; ms per pass (GB/s of the weights as held)")
     print(f"{'rows':>6} " + " ".join(f"{p:>18}" for p in paths))
     for rows in (int(r) for r in args.rows.split(",")):

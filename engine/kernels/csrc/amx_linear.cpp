@@ -14,6 +14,10 @@
 // to bf16 once (nearest even), with the bias added in fp32 first. The order of the sums differs from
 // oneDNN's, so results differ from F.linear by at most the last bf16 bit or so (tests/test_packed_linear.py).
 //
+// GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear): a bf16 model's rows past the
+// decode rows, multiplied by tiles de-quantized one group of 32 columns at a time into a thread's
+// buffer in this same layout (csrc/quant_blocks.h reads the blocks), then by run_groups as above.
+//
 // The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
 // on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
 // built and `amx_supported()` is false. Where it is compiled, `amx_supported()` still asks the CPU
@@ -36,11 +40,13 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 // As in fused_ops.cpp: no mul+add turned into an fma, so bf16_simd.h's SiLU is compiled alike in both.
 #pragma GCC optimize("fp-contract=off")
 #include "amx_tiles.h"
 #include "bf16_simd.h"
+#include "quant_blocks.h"
 
 namespace {
 
@@ -151,9 +157,9 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
   KVTOP_MEMORY_BARRIER();  // ... and the tiles are in acc before anything reads it
 }
 
-// Groups [g0, g1) of M-block mb: every 32-row chunk of the block against each group's tiles. Each
-// block's result is written out during the next block (two fp32 buffers take turns); the last one
-// after the loop.
+// Groups [g0, g1) of M-block mb (`w`: group g0's tiles, the others after it): every 32-row chunk of
+// the block against each group's tiles. Each block's result is written out during the next block (two
+// fp32 buffers take turns); the last one after the loop.
 void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
                                  const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
                                  uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
@@ -173,7 +179,7 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
       std::copy(bias + n0, bias + n0 + cols, pad);
       bg = pad;
     }
-    const uint16_t* wg = w + g * kb_count * 2 * kTileElems;
+    const uint16_t* wg = w + (g - g0) * kb_count * 2 * kTileElems;
     // With more than one 32-row pass over a group, every pass also pulls a share of the next group's
     // lines into L2 (the passes together: all of it), so the weight keeps streaming from DRAM while
     // later passes reuse this group from cache. SmolLM2's linears, weights from DRAM (linear.py
@@ -215,6 +221,16 @@ bool amx_supported() {
 #endif
 }
 
+// x [M, K] as the A tiles read it: 16 full rows of 64 bytes, so the rows padded to 16 and K to k_pad
+// (zeros), unless already so.
+at::Tensor tile_rows(const at::Tensor& x2, int64_t k_pad) {
+  const int64_t m = x2.size(0), k = x2.size(1), m_pad = round_up(m, kTileRows);
+  if (m_pad == m && k_pad == k && x2.stride(1) == 1 && x2.stride(0) == k) return x2;
+  at::Tensor a = at::zeros({m_pad, k_pad}, x2.options());
+  a.narrow(0, 0, m).narrow(1, 0, k).copy_(x2);
+  return a;
+}
+
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16 (kSiluMul: [..., N / 2]), W given in the tile layout
 // (engine/model/packed_linear.py's _pack_tiles) and its N; the bias (if any) in fp32, in the packed order.
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
@@ -232,13 +248,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   out_shape.back() = kind == Epilogue::kSiluMul ? n / 2 : n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
-  // A tiles read 16 full rows of 64 bytes: pad the rows to 16 and K to 32 (zeros) unless already so.
-  const int64_t m_pad = round_up(m, kTileRows), k_pad = kbs * kTileK;
-  at::Tensor a = x2;
-  if (m_pad != m || k_pad != k || x2.stride(1) != 1 || x2.stride(0) != k) {
-    a = at::zeros({m_pad, k_pad}, x.options());
-    a.narrow(0, 0, m).narrow(1, 0, k).copy_(x2);
-  }
+  const at::Tensor a = tile_rows(x2, kbs * kTileK);
   std::optional<at::Tensor> b32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, name, ": bias must be [n]");
@@ -254,7 +264,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {
       const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
-      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp, kbs, bp, n, op, g0, g1, kind);
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp + g0 * kbs * 2 * kTileElems, kbs, bp,
+                 n, op, g0, g1, kind);
       t0 += g1 - g0;
     }
   });
@@ -277,10 +288,130 @@ at::Tensor amx_gate_up(const at::Tensor& x, const at::Tensor& packed, const std:
   return run(x, packed, bias, 2 * inter, silu ? Epilogue::kSiluMul : Epilogue::kGateUp, "amx_gate_up");
 }
 
+#if defined(KVTOP_AMX) && defined(KVTOP_QUANT_GEMM)
+// 16 registers of 16 dwords transposed: out[j] holds dword j of in[0..15] (in[c]: column c's 16 bf16
+// pairs; out[j]: pair j of the 16 columns, one row of a B tile).
+inline void transpose16(const __m512i in[16], __m512i out[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[4q + s], 128-bit lane L: columns 4q .. 4q + 3 of dword 4L + s
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(u[s], u[4 + s], 0x44), ab_hi = _mm512_shuffle_i32x4(u[s], u[4 + s], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], 0xEE);
+    out[s] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    out[4 + s] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    out[8 + s] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    out[12 + s] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+}
+
+// Group g's tiles ([K/32][2][16][32] bf16, as _pack_tiles lays out the bf16 weight) from the blocks:
+// each sub-block of 32 values as the reference de-quantizes it (fp32), rounded to bf16 to nearest
+// even as torch's .to(torch.bfloat16) rounds; columns past n zero.
+template <int64_t F>
+void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
+  constexpr int64_t kG = kvtop_quant::group_blocks(F);
+  const int64_t bytes = kvtop_quant::group_bytes(F);
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    for (int h = 0; h < 2; ++h) {
+      __m512i cols[16], rows[16];
+      for (int c = 0; c < 16; ++c) {
+        const int64_t col = g * kGroupN + 16 * h + c;
+        if (col >= n) {
+          cols[c] = _mm512_setzero_si512();
+          continue;
+        }
+        __m512 v[2];
+        kvtop_quant::dequant_block16<F>(w + col * row_bytes + kb / kG * bytes, kb % kG, v);
+        cols[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0]));
+      }
+      transpose16(cols, rows);
+      uint16_t* tile = tiles + (kb * 2 + h) * kTileElems;
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * kTileK, rows[r]);
+    }
+  }
+}
+#endif
+
+// x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
+// `format` (csrc/quant_blocks.h): for many rows on AMX. One task is a group of 32 output columns:
+// its tiles are de-quantized into the thread's buffer (the bf16 weight's tiles, value for value) and
+// multiplied by every row as amx_linear multiplies them, so the results are amx_linear's on the
+// de-quantized weight in bf16, bit for bit; the weight is never held de-quantized beyond one group.
+at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_supported(), "amx_quant_linear: this CPU or kernel does not allow AMX");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda(), "amx_quant_linear: bfloat16 x on the CPU expected");
+  const int64_t k = x.size(-1), bytes = kvtop_quant::group_bytes(format);
+  const int64_t values = kvtop_quant::group_blocks(format) * kvtop_quant::kBlock;
+  TORCH_CHECK(bytes > 0, "amx_quant_linear: ggml type ", format, " is not one this kernel runs");
+  TORCH_CHECK(k > 0 && k % values == 0, "amx_quant_linear: K must be a positive multiple of ", values);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(0) == n && blocks.size(1) == k / values * bytes,
+              "amx_quant_linear: the weight must be a contiguous uint8 [N, K/", values, " * ", bytes, "]");
+  const at::Tensor x2 = x.reshape({-1, k});
+  const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (m == 0) return out;
+  const at::Tensor a = tile_rows(x2, k);
+  std::optional<at::Tensor> b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_quant_linear: bias must be [n]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+#if defined(KVTOP_AMX) && defined(KVTOP_QUANT_GEMM)
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>());
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0);
+  kvtop_quant::by_format(format, [&](auto f) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      thread_local std::vector<uint16_t> tiles;
+      tiles.resize(kbs * 2 * kTileElems);
+      for (int64_t g = g0; g < g1; ++g) {
+        dequant_group<decltype(f)::value>(wp, row_bytes, g, n, kbs, tiles.data());
+        for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
+          run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g, g + 1,
+                     Epilogue::kPlain);
+      }
+    });
+  });
+#endif
+  return out;
+}
+
 }  // namespace
+
+namespace kvtop_amx {  // for quant_gemm.cpp's quant_linear, which sends many bf16 rows here
+bool quant_tiles_supported() {
+#if defined(KVTOP_AMX) && defined(KVTOP_QUANT_GEMM)
+  return amx_supported();
+#else
+  return false;
+#endif
+}
+
+at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                              const std::optional<at::Tensor>& bias) {
+  return amx_quant_linear(x, blocks, format, n, bias);
+}
+}  // namespace kvtop_amx
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &amx_linear);
   m.def("amx_gate_up(Tensor x, Tensor packed, Tensor? bias, int inter, bool silu) -> Tensor", &amx_gate_up);
+  m.def("amx_quant_linear(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &amx_quant_linear);
 }

@@ -1,0 +1,226 @@
+// GGUF blocks read into registers: the formats' layouts and their values as the reference computes
+// them, for every kernel that computes on the blocks (quant_gemm.cpp's fp32 kernels, amx_linear.cpp's
+// bf16 tiles). The formats (quant_gemm.cpp says more):
+//   Q8_0 (ggml type 8):  32 values: fp16 d, int8 q[32]                 w = d * q
+//   Q4_0 (ggml type 2):  32 values: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
+//   Q4_1 (ggml type 3):  32 values: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   Q4_K (ggml type 12): 256 values in 8 sub-blocks of 32, 144 bytes    w = (d * sc_j) * q - dmin * min_j
+//   Q6_K (ggml type 14): 256 values, 210 bytes                          w = (d * scale) * (q - 32)
+// Included after `#pragma GCC optimize("fp-contract=off")` (set here too): dequant_block's mul then add
+// must stay two roundings, as the reference's.
+#pragma once
+#pragma GCC optimize("fp-contract=off")
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVTOP_QUANT_GEMM 1
+#include <immintrin.h>
+#endif
+
+namespace kvtop_quant {
+
+// ggml's type ids, as engine/model/quant_linear.py names them
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kBlock = 32;  // values per sub-block: the unit both kernels walk
+
+// Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
+constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ6_K ? 8 : 1; }
+
+inline int64_t group_bytes(int64_t format) {
+  switch (format) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+#ifdef KVTOP_QUANT_GEMM
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One sub-block's 32 quantized values as floats (nibbles unsigned 0..15, Q8_0 signed; Q6_K's already
+// scaled: the reference's values), in element order, and its scale d and offset m: w = d * q + m
+// (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up to rounding; the panels compute it as the
+// reference does, dequant_block).
+struct Block {
+  __m256 q[4];
+  float d, m;
+};
+
+// 32 unsigned nibbles (the low or high halves of 16 bytes) as four registers of floats.
+inline void nibbles_to_floats(__m128i nibbles_lo8, __m128i nibbles_hi8, __m256 q[2]) {
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_lo8));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_hi8));
+}
+
+// Q4_K's sub-block j scale and min, 6 bits each, packed in 12 bytes (gguf's Q4_K.get_scale_min).
+inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j (0..7) of a Q4_K super-block: w = (d * sc) * q - dmin * min.
+inline Block load_q4k(const uint8_t* g, int j) {
+  Block out;
+  int sc, mn;
+  q4k_scale_min(g + 4, j, sc, mn);
+  out.d = half_at(g) * static_cast<float>(sc);
+  out.m = -(half_at(g + 2) * static_cast<float>(mn));
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i q = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  nibbles_to_floats(lo, _mm_srli_si128(lo, 8), out.q);
+  nibbles_to_floats(hi, _mm_srli_si128(hi, 8), out.q + 2);
+  return out;
+}
+
+// Sub-block j (0..7) of a Q6_K super-block, its values (d * scale) * (q - 32) as the reference
+// computes them; d = 1, m = 0. Values 128h .. 128h + 127 take ql[64h ..] (low nibbles for the first
+// 64, high for the next) and qh[32h ..] (2 bits at shift 2t for the t-th 32).
+inline Block load_q6k(const uint8_t* g, int j) {
+  Block out;
+  const int h = j / 4, t = j % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64 * h + 32 * (t & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 128 + 32 * h));
+  const __m256i low = t < 2 ? _mm256_and_si256(ql, _mm256_set1_epi8(0x0F))
+                            : _mm256_and_si256(_mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(0x03));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+  const int8_t* scales = reinterpret_cast<const int8_t*>(g + 192);
+  const float d = half_at(g + 208);
+  const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(scales[2 * j]));
+  const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(scales[2 * j + 1]));
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  out.q[0] = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+  out.q[1] = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+  out.q[2] = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+  out.q[3] = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+  out.d = 1.0f;
+  out.m = 0.0f;
+  return out;
+}
+
+// Sub-block j of group g (a K format's super-block; the block itself for the others, j = 0).
+template <int64_t F>
+inline Block load_block(const uint8_t* g, int j) {
+  if constexpr (F == kQ4_K) return load_q4k(g, j);
+  if constexpr (F == kQ6_K) return load_q6k(g, j);
+  const uint8_t* b = g;
+  Block out;
+  out.d = half_at(b);
+  if constexpr (F == kQ8_0) {
+    out.m = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      out.q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+    }
+  } else {
+    const uint8_t* qs = b + (F == kQ4_1 ? 4 : 2);
+    out.m = F == kQ4_1 ? half_at(b + 2) : -8.0f * out.d;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out.q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out.q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out.q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out.q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  return out;
+}
+
+// The reference's values for sub-block j of group g: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K
+// (d sc) q - dmin min (as d q + m: adding -x is subtracting x), Q6_K its values as loaded (no fma).
+template <int64_t F>
+inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
+  const Block blk = load_block<F>(g, static_cast<int>(j));
+  if constexpr (F == kQ6_K) {
+    for (int i = 0; i < 4; ++i) out[i] = blk.q[i];
+    return;
+  }
+  const __m256 d = _mm256_set1_ps(blk.d);
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F == kQ4_0)
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(8.0f)));
+    else if constexpr (F == kQ4_1 || F == kQ4_K)
+      out[i] = _mm256_add_ps(_mm256_mul_ps(d, blk.q[i]), _mm256_set1_ps(blk.m));
+    else
+      out[i] = _mm256_mul_ps(d, blk.q[i]);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// dequant_block in two 16-lane registers (elements 0..15, 16..31): the same values, half the
+// conversions, for the de-quantization into AMX tiles (amx_linear.cpp), where it is the whole cost.
+template <int64_t F>
+inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
+  if constexpr (F == kQ6_K) {
+    __m256 v[4];
+    dequant_block<F>(g, j, v);
+    out[0] = _mm512_insertf32x8(_mm512_castps256_ps512(v[0]), v[1], 1);
+    out[1] = _mm512_insertf32x8(_mm512_castps256_ps512(v[2]), v[3], 1);
+    return;
+  }
+  __m512 q[2];
+  float d, m = 0.0f;
+  if constexpr (F == kQ8_0) {
+    d = half_at(g);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2))));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 18))));
+  } else if constexpr (F == kQ4_K) {
+    int sc, mn;
+    q4k_scale_min(g + 4, static_cast<int>(j), sc, mn);
+    d = half_at(g) * static_cast<float>(sc);
+    m = -(half_at(g + 2) * static_cast<float>(mn));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i v = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)));
+  } else {  // Q4_0, Q4_1
+    d = half_at(g);
+    if constexpr (F == kQ4_1) m = half_at(g + 2);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (F == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  }
+  const __m512 dv = _mm512_set1_ps(d);
+  for (int i = 0; i < 2; ++i) {
+    if constexpr (F == kQ4_0)
+      out[i] = _mm512_mul_ps(dv, _mm512_sub_ps(q[i], _mm512_set1_ps(8.0f)));
+    else if constexpr (F == kQ4_1 || F == kQ4_K)
+      out[i] = _mm512_add_ps(_mm512_mul_ps(dv, q[i]), _mm512_set1_ps(m));
+    else
+      out[i] = _mm512_mul_ps(dv, q[i]);
+  }
+}
+#endif
+
+template <typename Body>
+void by_format(int64_t format, const Body& body) {
+  switch (format) {
+    case kQ4_0: body(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: body(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ4_K: body(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ6_K: body(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: body(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+}
+#endif  // KVTOP_QUANT_GEMM
+
+}  // namespace kvtop_quant
