@@ -113,6 +113,22 @@ async def test_replay_has_no_live_actions():
         assert {"d", "r", "e", "E", "s"}.isdisjoint(keys)
 
 
+@pytest.mark.anyio
+async def test_a_long_folder_does_not_hide_the_snapshots_name(tmp_path: Path):
+    """The header names the file first and its folder last: on an 80-column terminal a snapshot
+    deep in a long path still says which file is on screen."""
+    deep = tmp_path.joinpath(*(["incidents-from-the-night-shift"] * 4))
+    deep.mkdir(parents=True)
+    path = deep / "checkout-outage.kvsnap"
+    path.write_bytes(SNAPSHOTS[0].read_bytes())
+    app = KvtopApp(ReplaySource(read_snapshot(path)))
+    async with app.run_test(size=(80, 30)) as pilot:
+        await pilot.pause()
+        header = text(app.query_one(EngineHeader))
+        assert "◆ replay checkout-outage.kvsnap" in header
+        assert "incidents-from-the-night-shift" not in header.split("checkout-outage.kvsnap")[0]
+
+
 def test_replay_source_seeks_and_plays_with_a_clock():
     snap = read_snapshot(SNAPSHOTS[0])
     now = [100.0]

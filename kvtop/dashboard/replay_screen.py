@@ -52,12 +52,14 @@ class ReplayDashboard(DashboardScreen):
             timelines.first().show(self.replay)
 
     def status(self) -> Text:
-        meta = self.replay.snapshot.meta
+        """The file's name first and its folder last: a long path cannot push the name out of sight."""
+        meta, path = self.replay.snapshot.meta, Path(self.replay.snapshot.path)
         return Text.assemble(
             ("◆ replay ", "bold cyan"),
-            str(self.replay.snapshot.path),
+            path.name,
             f" · recorded {time.strftime('%Y-%m-%d %H:%M', time.localtime(meta.get('created') or 0))}",
             f" · frame {self.replay.index + 1}/{len(self.replay.frames)}",
+            (f" · in {path.parent}" if str(path.parent) != "." else "", "dim"),
         )
 
     def help_groups(self) -> tuple[str, list[tuple[str, list[Binding]]]]:
