@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.kernels import cpu
 from engine.model.packed_linear import _pack_tiles
 from engine.model.quant_linear import KERNEL_FORMATS, QuantLinear, gemv_rows, kernel_available
-from tests.test_quant_linear import OPENINGS, SUBJECTS, random_blocks, whole_blocks
+from tests.test_quant_linear import chat_prompts, greedy_tokens, random_blocks, whole_blocks
 
 AMX = kernel_available() and cpu.load() and torch.ops.kvtop_cpu.amx_supported()
 needs_amx = pytest.mark.skipif(
@@ -75,13 +75,6 @@ def test_smollm2_in_bf16_keeps_the_blocks_and_answers_as_the_dequantized_bf16_mo
     assert ours.engine.weights_format == "Q4_1, Q8_0, bfloat16"
     dense = LLM("smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False,
                 quantization="none", quiet=True)  # fmt: skip
-    tok = ours.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": o.format(s)}], add_generation_prompt=True, tokenize=False)
-        for o in OPENINGS
-        for s in SUBJECTS
-    ]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    a = [o.token_ids for o in ours.generate(prompts, params)]
-    b = [o.token_ids for o in dense.generate(prompts, params)]
+    prompts = chat_prompts(ours.tokenizer)
+    a, b = greedy_tokens(ours, prompts), greedy_tokens(dense, prompts)
     assert sum(x == y for x, y in zip(a, b, strict=True)) >= 60

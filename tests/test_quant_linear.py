@@ -201,6 +201,21 @@ OPENINGS = [
 SUBJECTS = ["the ocean", "a volcano", "bread", "the moon", "chess", "rain", "a library", "electricity"]
 
 
+def chat_prompts(tok) -> list[str]:
+    """The 64 prompts, each as the model's chat template frames a user's message."""
+    return [
+        tok.apply_chat_template([{"role": "user", "content": o.format(s)}], add_generation_prompt=True, tokenize=False)
+        for o in OPENINGS
+        for s in SUBJECTS
+    ]
+
+
+def greedy_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's first 32 greedy tokens (ignoring end of text)."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.slow
 @needs_kernel
 def test_fused_decode_runs_the_quantized_layers_bit_for_bit_as_the_python_loop(quantized, monkeypatch):
@@ -222,15 +237,8 @@ def test_smollm2_quantized_greedy_tokens_match_the_dequantized_model(quantized):
     de-quantized model (the same weights' values; only the order of the sums differs)."""
     dense = LLM("smollm2-135m", dtype="float32", kv_cache_memory="64MiB", quantization="none", quiet=True)
     assert dense.engine.weights_format == "float32"
-    tok = quantized.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": o.format(s)}], add_generation_prompt=True, tokenize=False)
-        for o in OPENINGS
-        for s in SUBJECTS
-    ]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    ours = [o.token_ids for o in quantized.generate(prompts, params)]
-    reference = [o.token_ids for o in dense.generate(prompts, params)]
+    prompts = chat_prompts(quantized.tokenizer)
+    ours, reference = greedy_tokens(quantized, prompts), greedy_tokens(dense, prompts)
     same = sum(a == b for a, b in zip(ours, reference, strict=True))
     assert same >= 60, f"{same} of 64 prompts agree"
     assert np.mean([len(t) for t in ours]) == 32

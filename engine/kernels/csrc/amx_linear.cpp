@@ -231,6 +231,13 @@ at::Tensor tile_rows(const at::Tensor& x2, int64_t k_pad) {
   return a;
 }
 
+// The bias (if any) as the tiles' epilogue adds it: fp32, [n].
+std::optional<at::Tensor> fp32_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* name) {
+  if (!bias.has_value()) return std::nullopt;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, name, ": bias must be [n]");
+  return bias->to(at::kFloat).contiguous();
+}
+
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16 (kSiluMul: [..., N / 2]), W given in the tile layout
 // (engine/model/packed_linear.py's _pack_tiles) and its N; the bias (if any) in fp32, in the packed order.
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
@@ -249,11 +256,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
   const at::Tensor a = tile_rows(x2, kbs * kTileK);
-  std::optional<at::Tensor> b32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, name, ": bias must be [n]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const std::optional<at::Tensor> b32 = fp32_bias(bias, n, name);
 #ifdef KVTOP_AMX
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
@@ -351,13 +354,8 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
                             const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_supported(), "amx_quant_linear: this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda(), "amx_quant_linear: bfloat16 x on the CPU expected");
-  const int64_t k = x.size(-1), bytes = kvtop_quant::group_bytes(format);
-  const int64_t values = kvtop_quant::group_blocks(format) * kvtop_quant::kBlock;
-  TORCH_CHECK(bytes > 0, "amx_quant_linear: ggml type ", format, " is not one this kernel runs");
-  TORCH_CHECK(k > 0 && k % values == 0, "amx_quant_linear: K must be a positive multiple of ", values);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
-                  blocks.size(0) == n && blocks.size(1) == k / values * bytes,
-              "amx_quant_linear: the weight must be a contiguous uint8 [N, K/", values, " * ", bytes, "]");
+  const int64_t k = x.size(-1);
+  kvtop_quant::check_blocks(blocks, format, n, k, "amx_quant_linear");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -365,11 +363,7 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
   const at::Tensor a = tile_rows(x2, k);
-  std::optional<at::Tensor> b32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_quant_linear: bias must be [n]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const std::optional<at::Tensor> b32 = fp32_bias(bias, n, "amx_quant_linear");
 #if defined(KVTOP_AMX) && defined(KVTOP_QUANT_GEMM)
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();

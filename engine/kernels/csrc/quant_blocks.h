@@ -11,6 +11,9 @@
 #pragma once
 #pragma GCC optimize("fp-contract=off")
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -38,6 +41,19 @@ inline int64_t group_bytes(int64_t format) {
     case kQ6_K: return 210;
     default: return 0;
   }
+}
+
+// blocks: a contiguous uint8 [N, K / group values * group bytes]; K a multiple of the group's
+// values; a format the kernels run. Returns the group's bytes.
+inline int64_t check_blocks(const at::Tensor& blocks, int64_t format, int64_t n, int64_t k, const char* op) {
+  const int64_t bytes = group_bytes(format);
+  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  const int64_t values = group_blocks(format) * kBlock;
+  TORCH_CHECK(k > 0 && k % values == 0, op, ": K must be a positive multiple of ", values);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && !blocks.is_cuda() && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(0) == n && blocks.size(1) == k / values * bytes,
+              op, ": the weight must be a contiguous uint8 [N, K/", values, " * ", bytes, "] on the CPU");
+  return bytes;
 }
 
 #ifdef KVTOP_QUANT_GEMM

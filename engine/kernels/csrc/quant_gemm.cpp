@@ -74,20 +74,6 @@ bool quant_linear_supported() {
 #endif
 }
 
-// blocks: a contiguous uint8 [N, K / group values * group bytes]; K a multiple of the group's
-// values; a format the kernel runs. Returns the group's bytes.
-int64_t check_blocks(const at::Tensor& blocks, int64_t format, int64_t n, int64_t k, const char* op) {
-  TORCH_CHECK(quant_linear_supported(), op, ": this build has no AVX2 with FMA and F16C");
-  const int64_t bytes = group_bytes(format);
-  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
-  const int64_t values = group_blocks(format) * kBlock;
-  TORCH_CHECK(k > 0 && k % values == 0, op, ": K must be a positive multiple of ", values);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && !blocks.is_cuda() && blocks.is_contiguous() && blocks.dim() == 2 &&
-                  blocks.size(0) == n && blocks.size(1) == k / values * bytes,
-              op, ": the weight must be a contiguous uint8 [N, K/", values, " * ", bytes, "] on the CPU");
-  return bytes;
-}
-
 #ifdef KVTOP_QUANT_GEMM
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -190,13 +176,15 @@ void dequant_panel(const uint8_t* w, int64_t bytes, int64_t p, int64_t n, int64_
 
 #endif
 
-// What both ops take: x a float32 [M, K]; the blocks as check_blocks says; the bias a float32 [N].
+// What both ops take: x a float32 [M, K]; the blocks as check_blocks (quant_blocks.h) says; the bias a
+// float32 [N].
 int64_t check_operands(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                        const std::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && !x.is_cuda() && x.dim() == 2, op, ": x must be a float32 [M, K]");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 op, ": bias must be a contiguous float32 [N]");
+  TORCH_CHECK(quant_linear_supported(), op, ": this build has no AVX2 with FMA and F16C");
   return check_blocks(blocks, format, n, x.size(1), op);
 }
 
