@@ -43,6 +43,7 @@ SOURCES = [
     CSRC / "bf16_attention.cpp",
     CSRC / "decode_layers.cpp",
     CSRC / "quant_gemm.cpp",
+    CSRC / "quant_packed.cpp",
 ]
 HEADERS = [
     CSRC / "cephes_exp.h",

@@ -25,7 +25,7 @@ from engine.runtime.knobs import knob
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
-QUANT_KIND = 1000  # decode_layers.cpp's kQuantKind: a QuantLinear's kind is this + its ggml type
+QUANT_KIND = 1000  # decode_layers.cpp's kQuantKind: a QuantLinear's kind is this + its kernel format
 
 
 def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -45,7 +45,7 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
     if type(module) is nn.Linear:
         return 3, module.weight, module.bias
     if isinstance(module, QuantLinear) and module.use_kernel:  # quant_linear on its GGUF blocks
-        return QUANT_KIND + int(module.fmt), module.blocks, module.bias
+        return QUANT_KIND + module.kernel_format, module.blocks, module.bias
     return None
 
 

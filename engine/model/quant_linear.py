@@ -9,6 +9,11 @@ for a few rows (decode, where the weights' bytes set the time), and from `gemv_r
 once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
+In a bf16 model on a CPU with AVX512-BF16, the layers' Q4_0 and Q4_1 weights are repacked at load
+(`pack_for_bf16_decode`: the same bytes, tiles of 16 columns; csrc/quant_packed.cpp): one to four
+bf16 rows multiply 16 columns per dot-product instruction, the nibbles exact bf16 integers and each
+block's scale applied once per tile; any other call unpacks the weight to the file's layout first.
+
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
 logits head's blocks and de-quantizes only the rows it reads: the table is held once.
@@ -24,6 +29,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
 from engine.kernels import cpu
+from engine.runtime.knobs import knob
 
 # the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K)
 KERNEL_FORMATS = (
@@ -44,6 +50,16 @@ def gemv_rows() -> int:
     """Up to this many rows `quant_linear` de-quantizes in the registers (quant_gemv); above, a panel
     at a time (quant_gemm). The kernel's constant: one home for it."""
     return int(torch.ops.kvtop_cpu.quant_gemv_rows())
+
+
+def packed_kernel_available() -> bool:
+    """The kernel extension built here with the packed bf16 decode kernel (AVX-512 BW + BF16)."""
+    return cpu.says("quant_packed_supported")
+
+
+PACKED_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # what quant_pack repacks
+PACKED_OFFSET = 100  # a packed weight's kernel format: its ggml type + this (quant_blocks.h's kPackedFormat)
+PACKED_TILE = 16  # columns per tile: N must be a multiple
 
 
 def dequantize(blocks: torch.Tensor, fmt: GGMLQuantizationType, in_features: int) -> torch.Tensor:
@@ -73,21 +89,55 @@ class QuantLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.use_kernel = kernel_available()
+        self.packed = False  # `blocks` in quant_pack's tiles rather than the file's layout
+
+    @property
+    def kernel_format(self) -> int:
+        """The format id quant_linear takes for `blocks`: the ggml type, + PACKED_OFFSET once packed."""
+        return int(self.fmt) + (PACKED_OFFSET if self.packed else 0)
+
+    def packable(self) -> bool:
+        return self.use_kernel and self.fmt in PACKED_FORMATS and self.out_features % PACKED_TILE == 0
+
+    def pack(self) -> None:
+        """Repack the blocks for bf16 decode (same bytes; the caller checked packed_kernel_available)."""
+        if not self.packed and self.packable():
+            self.blocks = torch.ops.kvtop_cpu.quant_pack(self.blocks, int(self.fmt), self.out_features)
+            self.packed = True
+
+    def file_blocks(self) -> torch.Tensor:
+        """The blocks in the file's layout (a copy when packed)."""
+        if not self.packed:
+            return self.blocks
+        return torch.ops.kvtop_cpu.quant_unpack(self.blocks, int(self.fmt), self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, n = x.reshape(-1, self.in_features), self.out_features
         if self.use_kernel:  # decode_layers (csrc/decode_layers.cpp) calls the same op for its quantized kind
-            y = torch.ops.kvtop_cpu.quant_linear(x2, self.blocks, int(self.fmt), n, self.bias)
+            y = torch.ops.kvtop_cpu.quant_linear(x2, self.blocks, self.kernel_format, n, self.bias)
         else:
             y = F.linear(x2.float(), self.dense_weight(), self.bias).to(x.dtype)
         return y.view(*x.shape[:-1], n)
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 [N, K] weight (the reference's de-quantization)."""
-        return dequantize(self.blocks, self.fmt, self.in_features)
+        return dequantize(self.file_blocks(), self.fmt, self.in_features)
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def pack_for_bf16_decode(layers: nn.Module) -> int:
+    """Repack the Q4_0/Q4_1 QuantLinears under `layers` (a bf16 model's decoder layers: never a head
+    whose blocks an embedding shares) where the packed kernel is built; returns how many."""
+    if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():
+        return 0
+    packed = 0
+    for module in layers.modules():
+        if isinstance(module, QuantLinear) and module.packable():
+            module.pack()
+            packed += 1
+    return packed
 
 
 class StackedLinear(nn.Module):

@@ -343,6 +343,53 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
     }
   }
 }
+
+// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1 weight packed for bf16 decode
+// (quant_packed.cpp): a packed tile's 16 columns are half a group, and its chunk s widened to words is
+// already two B-tile rows — the low nibbles K pairs (4s, 4s + 1) of the 16 columns, the high ones
+// (4s + 2, 4s + 3) — so each word only needs its column's scale and offset (the reference's mul then
+// add, or Q4_0's d * (q - 8)) and rounding to bf16: no transpose.
+template <int64_t F>
+void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
+  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;
+  const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512i mask = _mm512_set1_epi16(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = 2 * g + h;
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+      uint16_t* tile = tiles + (kb * 2 + h) * kTileElems;
+      if (16 * t >= n) {
+        std::memset(tile, 0, kTileElems * 2);
+        continue;
+      }
+      const uint8_t* tb = w + (t * kbs + kb) * 16 * bytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+      const __m512 m = F == kvtop_quant::kQ4_1
+                           ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
+                           : _mm512_setzero_ps();
+      const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, d), d1 = _mm512_permutexvar_ps(pairs_hi, d);
+      const __m512 m0 = _mm512_permutexvar_ps(pairs_lo, m), m1 = _mm512_permutexvar_ps(pairs_hi, m);
+      for (int s = 0; s < 8; ++s) {
+        const __m512i bytes32 =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + scales + 32 * s)));
+        const __m512i halves[2] = {_mm512_and_si512(bytes32, mask), _mm512_srli_epi16(bytes32, 4)};
+        for (int r = 0; r < 2; ++r) {
+          __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(halves[r])));
+          __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(halves[r], 1)));
+          if constexpr (F == kvtop_quant::kQ4_1) {
+            q0 = _mm512_add_ps(_mm512_mul_ps(d0, q0), m0);
+            q1 = _mm512_add_ps(_mm512_mul_ps(d1, q1), m1);
+          } else {
+            q0 = _mm512_mul_ps(d0, _mm512_sub_ps(q0, _mm512_set1_ps(8.0f)));
+            q1 = _mm512_mul_ps(d1, _mm512_sub_ps(q1, _mm512_set1_ps(8.0f)));
+          }
+          _mm512_storeu_si512(tile + (2 * s + r) * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q1, q0)));
+        }
+      }
+    }
+  }
+}
 #endif
 
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
@@ -355,7 +402,11 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   TORCH_CHECK(amx_supported(), "amx_quant_linear: this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda(), "amx_quant_linear: bfloat16 x on the CPU expected");
   const int64_t k = x.size(-1);
-  kvtop_quant::check_blocks(blocks, format, n, k, "amx_quant_linear");
+  const bool packed = format >= kvtop_quant::kPackedFormat;  // quant_packed.cpp's tiles of Q4_0 / Q4_1
+  const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
+  kvtop_quant::check_blocks(blocks, file_format, n, k, "amx_quant_linear");
+  TORCH_CHECK(!packed || ((file_format == kvtop_quant::kQ4_0 || file_format == kvtop_quant::kQ4_1) && n % 16 == 0),
+              "amx_quant_linear: only Q4_0 and Q4_1 weights of 16k columns are packed");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -370,12 +421,18 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0);
-  kvtop_quant::by_format(format, [&](auto f) {
+  kvtop_quant::by_format(file_format, [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       thread_local std::vector<uint16_t> tiles;
       tiles.resize(kbs * 2 * kTileElems);
       for (int64_t g = g0; g < g1; ++g) {
-        dequant_group<decltype(f)::value>(wp, row_bytes, g, n, kbs, tiles.data());
+        if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1) {
+          if (packed) dequant_packed_group<F>(wp, g, n, kbs, tiles.data());
+          else dequant_group<F>(wp, row_bytes, g, n, kbs, tiles.data());
+        } else {
+          dequant_group<F>(wp, row_bytes, g, n, kbs, tiles.data());
+        }
         for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
           run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g, g + 1,
                      Epilogue::kPlain);

@@ -61,6 +61,13 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int
                               const std::optional<at::Tensor>& bias);
 }  // namespace kvtop_amx
 
+namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1 repacked for bf16 decode
+bool supported();
+at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
+                const std::optional<at::Tensor>& bias);
+}  // namespace kvtop_packed
+
 namespace {
 
 using namespace kvtop_quant;
@@ -266,10 +273,19 @@ constexpr int64_t kGemvRows = 4;
 // The layer's op (engine/model/quant_linear.py's QuantLinear, and decode_layers' quantized kind):
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, computed in fp32 by quant_gemv or quant_gemm;
 // bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear:
-// the weights rounded to bf16 as a bf16 model's are, its products bit for bit).
+// the weights rounded to bf16 as a bf16 model's are, its products bit for bit). A packed weight
+// (format = its ggml type + kPackedFormat, quant_packed.cpp) runs bf16 decode rows there, and
+// anything else on its unpacked copy.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                         const std::optional<at::Tensor>& bias) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
+  if (format >= kPackedFormat) {
+    const int64_t file_format = format - kPackedFormat;
+    if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kGemvRows && kvtop_packed::supported())
+      return kvtop_packed::gemv(x, blocks, file_format, n, bias);
+    if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
+    return quant_linear(x, kvtop_packed::unpack(blocks, file_format, n), file_format, n, bias);
+  }
   if (tiles && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
     return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
   const at::Tensor x32 = x.to(at::kFloat);
