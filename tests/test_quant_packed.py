@@ -13,6 +13,7 @@ from engine import LLM
 from engine.kernels import cpu
 from engine.model.quant_linear import (
     PACKED_FORMATS,
+    QuantEmbedding,
     QuantLinear,
     gemv_rows,
     kernel_available,
@@ -21,6 +22,7 @@ from engine.model.quant_linear import (
 )
 from tests.test_quant_linear import random_blocks
 
+Q4_0 = GGMLQuantizationType.Q4_0
 PACKED = packed_kernel_available()
 needs_packed = pytest.mark.skipif(
     not PACKED, reason="no AVX512-BF16 here: test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse runs"
@@ -55,8 +57,9 @@ def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order(fmt, shape):
-    """1 to GEMV_ROWS bf16 rows against the blocks' exact values (the reference's de-quantized fp32
-    weight, in float64): within bf16's rounding of the result, as the file layout's kernel."""
+    """1 to GEMV_ROWS bf16 rows (and Q8_0's fp32 rows) against the blocks' exact values (the
+    reference's de-quantized fp32 weight, in float64): within the result's rounding, as the file
+    layout's kernel."""
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=3)
     bias = torch.randn(n)
@@ -70,19 +73,25 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
         scale = exact.abs().max()
         assert ((y.double() - exact).abs() / scale).max() < 8e-3
         assert ((y.double() - plain(x).double()).abs() / scale).max() < 8e-3
+        if fmt == GGMLQuantizationType.Q8_0:  # fp32 rows too, within fp32's rounding
+            exact32 = x.float().double() @ dense.t() + bias.double()
+            assert ((packed(x.float()).double() - exact32).abs() / scale).max() < 1e-5
 
 
 @needs_packed
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 def test_one_hot_decode_rows_read_each_columns_values_back(fmt):
     """x = rows of the identity: each output is one column's value d * q + m exactly, rounded to
-    bf16 once — every nibble, scale and offset read from its place in the tiles."""
+    bf16 once (Q8_0's fp32 rows: exactly) — every value, scale and offset read from its place in the
+    tiles."""
     n, k = 48, 96
     plain, packed = layer_pair(fmt, n, k, seed=11)
     weight_t = plain.dense_weight().t()
     for rows in range(1, GEMV_ROWS + 1):
         picked = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
         assert torch.equal(packed(torch.eye(k)[picked].bfloat16()), weight_t[picked].bfloat16())
+        if fmt == GGMLQuantizationType.Q8_0:
+            assert torch.equal(packed(torch.eye(k)[picked]), weight_t[picked])
 
 
 @needs_packed
@@ -96,29 +105,42 @@ def test_more_rows_and_fp32_rows_get_what_the_files_layout_gives_bit_for_bit(fmt
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(packed(x.bfloat16()), plain(x.bfloat16()))
         assert torch.equal(packed(x), plain(x))
-    x = torch.randn(2, k)
-    assert torch.equal(packed(x), plain(x))
+    if fmt != GGMLQuantizationType.Q8_0:  # Q8_0's decode kernel takes fp32 rows too (the test above)
+        x = torch.randn(2, k)
+        assert torch.equal(packed(x), plain(x))
+
+
+def tiny_net(head_fmt: GGMLQuantizationType, *layers: QuantLinear) -> torch.nn.Module:
+    """What pack_for_bf16_decode walks: decoder layers, a logits head and the embedding tied to it."""
+    net = torch.nn.Module()
+    net.layers = torch.nn.ModuleList(layers)
+    net.logits_head = QuantLinear(random_blocks(head_fmt, 64, 96, seed=9).view(64, -1), head_fmt, 96)
+    net.embed_tokens = QuantEmbedding.tied_to(net.logits_head, torch.bfloat16)
+    return net
 
 
 @needs_packed
-def test_only_the_layers_q4_weights_of_whole_tiles_are_packed():
+def test_the_layers_and_a_q8_0_head_are_packed_and_the_tied_embedding_reads_the_same_rows():
     def layer(fmt: GGMLQuantizationType, n: int) -> QuantLinear:
         return QuantLinear(random_blocks(fmt, n, 64, seed=1).view(n, -1), fmt, 64)
 
-    q4, q8, odd = (
-        layer(GGMLQuantizationType.Q4_1, 32),
-        layer(GGMLQuantizationType.Q8_0, 32),
-        layer(GGMLQuantizationType.Q4_0, 24),
-    )
-    assert pack_for_bf16_decode(torch.nn.ModuleList([q4, q8, odd])) == 1
-    assert q4.packed and not q8.packed and not odd.packed
+    q4, q8, odd = layer(GGMLQuantizationType.Q4_1, 32), layer(GGMLQuantizationType.Q8_0, 32), layer(Q4_0, 24)
+    net = tiny_net(GGMLQuantizationType.Q8_0, q4, q8, odd)
+    ids = torch.tensor([[0, 17, 63], [5, 5, 40]])
+    before = net.embed_tokens(ids)
+    assert pack_for_bf16_decode(net) == 3  # q4, q8 and the head; N = 24 is not whole tiles
+    assert q4.packed and q8.packed and not odd.packed and net.logits_head.packed
+    assert net.embed_tokens.blocks is net.logits_head.blocks  # held once
+    assert torch.equal(net.embed_tokens(ids), before)
+    q4_head = tiny_net(GGMLQuantizationType.Q4_1)  # an embedding reads packed Q8_0 rows only
+    assert pack_for_bf16_decode(q4_head) == 0 and not q4_head.logits_head.packed
 
 
 @pytest.mark.slow
 @needs_packed
-def test_smollm2_in_bf16_packs_its_q4_1_layers_and_answers_as_the_dequantized_bf16_model(monkeypatch):
-    """The default model's Q4_1 projections packed (its Q8_0 head and embedding as the file holds
-    them), the weights' bytes unchanged; greedy tokens against the same file de-quantized to bf16
+def test_smollm2_in_bf16_packs_its_layers_and_head_and_answers_as_the_dequantized_bf16_model(monkeypatch):
+    """The default model's Q4_1 projections and Q8_0 head packed (the tied embedding reading the
+    head's packed rows), the weights' bytes unchanged; greedy tokens against the same file de-quantized to bf16
     (62 of 64 prompts' 32 tokens on the AMX Xeon); the issue's bar, 60."""
     from tests.test_quant_linear import chat_prompts, greedy_tokens
 
@@ -127,8 +149,8 @@ def test_smollm2_in_bf16_packs_its_q4_1_layers_and_answers_as_the_dequantized_bf
                    quantization=quantization, quiet=True)  # fmt: skip
 
     ours = load("auto")
-    layers = [m for m in ours.engine.model.modules() if isinstance(m, QuantLinear)]
-    assert sum(m.packed for m in layers) == 4 * 30 and not ours.engine.model.logits_head.packed
+    layers = [m for m in ours.engine.model.layers.modules() if isinstance(m, QuantLinear)]
+    assert all(m.packed for m in layers) and len(layers) == 4 * 30 and ours.engine.model.logits_head.packed
     monkeypatch.setenv("KVTOP_QUANT_PACK", "0")
     unpacked = load("auto")
     assert ours.stats()["memory"]["weights"] == unpacked.stats()["memory"]["weights"]
@@ -160,9 +182,10 @@ def test_fused_decode_runs_the_packed_layers_bit_for_bit_as_the_python_loop(monk
 def test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse():
     fmt = GGMLQuantizationType.Q4_1
     layer = QuantLinear(random_blocks(fmt, 32, 64, seed=2).view(32, -1), fmt, 64)
+    net = tiny_net(GGMLQuantizationType.Q8_0, layer)
     before = layer.blocks.clone()
-    assert pack_for_bf16_decode(torch.nn.ModuleList([layer])) == 0
-    assert not layer.packed and torch.equal(layer.blocks, before)
+    assert pack_for_bf16_decode(net) == 0
+    assert not layer.packed and not net.logits_head.packed and torch.equal(layer.blocks, before)
     assert cpu.load()
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="quant_packed_gemv: this build has no AVX-512 with BF16"):

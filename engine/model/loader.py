@@ -141,7 +141,7 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
     if source is not None:
         net = load_quantized(source, spec, dtype)
         if dtype == torch.bfloat16:  # the bf16 decode kernel's tiles (csrc/quant_packed.cpp), same bytes
-            pack_for_bf16_decode(net.layers)
+            pack_for_bf16_decode(net)
     else:
         with torch.device("meta"):
             net = CausalLM(spec)

@@ -57,7 +57,7 @@ def packed_kernel_available() -> bool:
     return cpu.says("quant_packed_supported")
 
 
-PACKED_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # what quant_pack repacks
+PACKED_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)  # quant_pack's
 PACKED_OFFSET = 100  # a packed weight's kernel format: its ggml type + this (quant_blocks.h's kPackedFormat)
 PACKED_TILE = 16  # columns per tile: N must be a multiple
 
@@ -127,16 +127,25 @@ class QuantLinear(nn.Module):
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-def pack_for_bf16_decode(layers: nn.Module) -> int:
-    """Repack the Q4_0/Q4_1 QuantLinears under `layers` (a bf16 model's decoder layers: never a head
-    whose blocks an embedding shares) where the packed kernel is built; returns how many."""
+def pack_for_bf16_decode(net: nn.Module) -> int:
+    """Repack a bf16 model's Q4_0/Q4_1/Q8_0 QuantLinears (its layers' and its logits head's; an
+    embedding tied to a Q8_0 head reads the packed blocks) where the packed kernel is built; returns
+    how many were packed."""
     if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():
         return 0
     packed = 0
-    for module in layers.modules():
+    for module in net.layers.modules():
         if isinstance(module, QuantLinear) and module.packable():
             module.pack()
             packed += 1
+    head, embed = net.logits_head, net.embed_tokens
+    if isinstance(head, QuantLinear) and head.packable():
+        tied = isinstance(embed, QuantEmbedding) and embed.blocks is head.blocks
+        if not tied or head.fmt == GGMLQuantizationType.Q8_0:  # the rows the embedding reads back
+            head.pack()
+            packed += 1
+            if tied:
+                embed.read_packed(head.blocks)
     return packed
 
 
@@ -164,11 +173,31 @@ class QuantEmbedding(nn.Module):
         self.fmt, self.embedding_dim, self.dtype = fmt, embedding_dim, dtype
         self.num_embeddings = blocks.shape[0]
         self.register_buffer("blocks", blocks)
+        self.packed = False  # Q8_0 blocks in quant_pack's tiles (a tied head's, packed)
 
     @classmethod
     def tied_to(cls, head: QuantLinear, dtype: torch.dtype) -> QuantEmbedding:
         return cls(head.blocks, head.fmt, head.in_features, dtype)  # the same tensor: held once
 
+    def read_packed(self, blocks: torch.Tensor) -> None:
+        """Look rows up in a tied Q8_0 head's packed blocks (the same tensor: still held once)."""
+        if self.fmt != GGMLQuantizationType.Q8_0:
+            raise TypeError(f"an embedding reads packed Q8_0 blocks, not {self.fmt.name}")
+        self.blocks, self.packed = blocks, True
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.blocks[ids.reshape(-1)], self.fmt, self.embedding_dim)
+        flat = ids.reshape(-1)
+        blocks = self._packed_rows(flat) if self.packed else self.blocks[flat]
+        rows = dequantize(blocks, self.fmt, self.embedding_dim)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def _packed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of packed Q8_0 blocks in the file's layout: tile ids // 16, column c = ids % 16,
+        whose block b holds d at bytes 2c and values 2r + e at 32 + 32r + 2c + e (quant_packed.cpp)."""
+        nb, block = self.embedding_dim // 32, 34
+        tiles = self.blocks.view(-1, nb, PACKED_TILE * block)
+        k = torch.arange(32)
+        offsets = torch.cat([torch.tensor([0, 1]), 32 + 32 * (k // 2) + k % 2])  # column 0's 34 bytes
+        where = offsets + 2 * (ids % PACKED_TILE)[:, None]  # [L, 34]
+        picked = tiles[ids // PACKED_TILE].gather(2, where[:, None, :].expand(-1, nb, -1))
+        return picked.reshape(len(ids), nb * block)

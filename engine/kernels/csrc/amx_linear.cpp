@@ -344,14 +344,15 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
   }
 }
 
-// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1 weight packed for bf16 decode
+// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1/Q8_0 weight packed for bf16 decode
 // (quant_packed.cpp): a packed tile's 16 columns are half a group, and its chunk s widened to words is
 // already two B-tile rows — the low nibbles K pairs (4s, 4s + 1) of the 16 columns, the high ones
-// (4s + 2, 4s + 3) — so each word only needs its column's scale and offset (the reference's mul then
-// add, or Q4_0's d * (q - 8)) and rounding to bf16: no transpose.
+// (4s + 2, 4s + 3); a Q8_0 tile's row r is B-tile row r — so each value only needs its column's scale
+// and offset (the reference's mul then add, Q4_0's d * (q - 8), Q8_0's d * q) and rounding to bf16:
+// no transpose.
 template <int64_t F>
 void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
-  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;
+  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;  // Q8_0: 32
   const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
   const __m512i mask = _mm512_set1_epi16(0x0F);
@@ -370,6 +371,17 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
                            : _mm512_setzero_ps();
       const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, d), d1 = _mm512_permutexvar_ps(pairs_hi, d);
       const __m512 m0 = _mm512_permutexvar_ps(pairs_lo, m), m1 = _mm512_permutexvar_ps(pairs_hi, m);
+      if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t* q = tb + 32 + 32 * r;
+          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          const __m512 q1 =
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+          _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                                     _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
+        }
+        continue;
+      }
       for (int s = 0; s < 8; ++s) {
         const __m512i bytes32 =
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + scales + 32 * s)));
@@ -405,8 +417,10 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const bool packed = format >= kvtop_quant::kPackedFormat;  // quant_packed.cpp's tiles of Q4_0 / Q4_1
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
   kvtop_quant::check_blocks(blocks, file_format, n, k, "amx_quant_linear");
-  TORCH_CHECK(!packed || ((file_format == kvtop_quant::kQ4_0 || file_format == kvtop_quant::kQ4_1) && n % 16 == 0),
-              "amx_quant_linear: only Q4_0 and Q4_1 weights of 16k columns are packed");
+  TORCH_CHECK(!packed || ((file_format == kvtop_quant::kQ4_0 || file_format == kvtop_quant::kQ4_1 ||
+                            file_format == kvtop_quant::kQ8_0) &&
+                           n % 16 == 0),
+              "amx_quant_linear: only Q4_0, Q4_1 and Q8_0 weights of 16k columns are packed");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -427,7 +441,7 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
       thread_local std::vector<uint16_t> tiles;
       tiles.resize(kbs * 2 * kTileElems);
       for (int64_t g = g0; g < g1; ++g) {
-        if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1) {
+        if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1 || F == kvtop_quant::kQ8_0) {
           if (packed) dequant_packed_group<F>(wp, g, n, kbs, tiles.data());
           else dequant_group<F>(wp, row_bytes, g, n, kbs, tiles.data());
         } else {

@@ -63,6 +63,7 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int
 
 namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1 repacked for bf16 decode
 bool supported();
+bool gemv_takes(const at::Tensor& x, int64_t format);
 at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
@@ -281,7 +282,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   static const bool tiles = kvtop_amx::quant_tiles_supported();
   if (format >= kPackedFormat) {
     const int64_t file_format = format - kPackedFormat;
-    if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kGemvRows && kvtop_packed::supported())
+    if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x, file_format))
       return kvtop_packed::gemv(x, blocks, file_format, n, bias);
     if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
     return quant_linear(x, kvtop_packed::unpack(blocks, file_format, n), file_format, n, bias);

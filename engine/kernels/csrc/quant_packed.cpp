@@ -21,6 +21,13 @@
 // low nibbles and (q[4s+2], q[4s+3]) from the high ones: the pairs vdpbf16ps multiplies by the
 // broadcast x pairs (x[4s], x[4s+1]) and (x[4s+2], x[4s+3]).
 //
+// Q8_0 (the logits head of the default model, packed where AMX takes its batched rows): per tile block
+// d[16] fp16, then 16 rows of 32 bytes, row r's byte 2c + e column c's int8 element 2r + e. Its decode
+// kernel stays in fp32 (int8 is not a bf16 the table gives): a row widened to 16 lanes of (column,
+// parity) is multiplied by the broadcast fp32 pair (x[2r], x[2r + 1]) — one FMA for 8 columns' two
+// K values, no horizontal sum until the tile's end; bf16 or fp32 activations alike. Row r is also
+// row r of an AMX B tile (amx_linear.cpp).
+//
 // Every other use of a packed weight (more rows, fp32 activations, the reference) unpacks it to the
 // file's layout first (quant_unpack, a copy of the weight's bytes); quant_linear (quant_gemm.cpp)
 // routes a packed format (its ggml type + kPackedFormat) here or there.
@@ -35,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -48,6 +56,7 @@ namespace kvtop_packed {
 using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
+using kvtop_quant::kQ8_0;
 constexpr int64_t kTile = 16;           // columns per tile: one fp32 register's lanes
 
 bool supported() {
@@ -60,12 +69,12 @@ bool supported() {
 
 namespace {
 
-// Bytes before the nibbles in a tile's block: d[16], and m[16] for Q4_1.
+// Bytes before the values in a tile's block: d[16], and m[16] for Q4_1.
 constexpr int64_t scale_bytes(int64_t format) { return format == kQ4_1 ? 64 : 32; }
 
 void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const char* op) {
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1, op, ": only Q4_0 and Q4_1 weights are packed, not ggml type ",
-              format);
+  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, op,
+              ": only Q4_0, Q4_1 and Q8_0 weights are packed, not ggml type ", format);
   TORCH_CHECK(n % kTile == 0, op, ": N must be a multiple of ", kTile);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) == n,
               op, ": the weight must be a contiguous uint8 [N, row bytes]");
@@ -74,6 +83,9 @@ void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const c
 
 // Element k (0..31) of a file block's nibbles: byte k's low half for k < 16, byte k - 16's high half.
 inline uint8_t file_nibble(const uint8_t* qs, int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; }
+
+// Where Q8_0 element k of column c sits in a tile block's values.
+inline int q8_place(int c, int k) { return 32 * (k / 2) + 2 * c + (k & 1); }
 
 // Where element k of column c sits in a tile block's nibbles: the byte, and whether the high half.
 inline void packed_place(int c, int k, int& byte, bool& high) {
@@ -84,7 +96,7 @@ inline void packed_place(int c, int k, int& byte, bool& high) {
 
 }  // namespace
 
-// The file's blocks [N, row bytes] of Q4_0 or Q4_1 in the packed layout: same shape, same bytes.
+// The file's blocks [N, row bytes] of Q4_0, Q4_1 or Q8_0 in the packed layout: same shape, same bytes.
 at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
   check_packable(blocks, format, n, "quant_pack");
   const int64_t bytes = kvtop_quant::group_bytes(format), nb = blocks.size(1) / bytes;
@@ -101,6 +113,10 @@ at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
           const uint8_t* blk = src + ((t * kTile + c) * nb + b) * bytes;
           std::memcpy(tb + 2 * c, blk, 2);                                // d
           if (format == kQ4_1) std::memcpy(tb + 32 + 2 * c, blk + 2, 2);  // m
+          if (format == kQ8_0) {
+            for (int k = 0; k < kBlock; ++k) tb[scales + q8_place(c, k)] = blk[2 + k];
+            continue;
+          }
           for (int k = 0; k < kBlock; ++k) {
             int byte;
             bool high;
@@ -158,9 +174,11 @@ at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n) {
           blk[c] = dst + ((t * kTile + c) * nb + b) * bytes;
           std::memcpy(blk[c], tb + 2 * c, 2);
           if (format == kQ4_1) std::memcpy(blk[c] + 2, tb + 32 + 2 * c, 2);
+          if (format == kQ8_0)
+            for (int k = 0; k < kBlock; ++k) blk[c][2 + k] = tb[scales + q8_place(c, k)];
           blk[c] += head;
         }
-        unpack_nibbles(tb + scales, blk);
+        if (format != kQ8_0) unpack_nibbles(tb + scales, blk);
       }
   });
 #endif
@@ -234,6 +252,70 @@ void tile_rows(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* t
   }
 }
 
+// Q8_0 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), y [R, 16] of T (bf16 or
+// fp32) at stride ldy. Lanes are (column, parity) for columns 0..7 (lo) and 8..15 (hi), summed in
+// pairs at the end.
+template <typename T, int R>
+void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, const float* bias, T* y, int64_t ldy) {
+  const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tb = tile + b * kTile * 34;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+    __m512 sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+    for (int row = 0; row < 16; ++row) {
+      const uint8_t* q = tb + 32 + 32 * row;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      for (int r = 0; r < R; ++r) {
+        double pair;  // x[2 row], x[2 row + 1], broadcast as one 64-bit lane
+        std::memcpy(&pair, x + r * k + b * kBlock + 2 * row, 8);
+        const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+        sum[r][0] = _mm512_fmadd_ps(lo, xp, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(hi, xp, sum[r][1]);
+      }
+    }
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(sum[r][0], d_lo, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(sum[r][1], d_hi, acc[r][1]);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 cols = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][0], even, acc[r][1]),
+                                      _mm512_permutex2var_ps(acc[r][0], odd, acc[r][1]));
+    const __m512 out = _mm512_add_ps(cols, bv);
+    if constexpr (std::is_same_v<T, float>)
+      _mm512_storeu_ps(y + r * ldy, out);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+  }
+}
+
+template <typename T>
+void q8_tiles(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t t0, int64_t t1, const float* bias, T* y,
+              int64_t n) {
+  const int64_t nb = k / kBlock, tile_bytes = kTile * nb * 34;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * tile_bytes;
+    const float* bt = bias ? bias + t * kTile : nullptr;
+    T* yt = y + t * kTile;
+    switch (m) {
+      case 1: q8_tile_rows<T, 1>(x, k, tile, nb, bt, yt, n); break;
+      case 2: q8_tile_rows<T, 2>(x, k, tile, nb, bt, yt, n); break;
+      case 3: q8_tile_rows<T, 3>(x, k, tile, nb, bt, yt, n); break;
+      default: q8_tile_rows<T, 4>(x, k, tile, nb, bt, yt, n); break;
+    }
+  }
+}
+
 template <int64_t F>
 void tiles(const uint16_t* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, uint16_t* y, int64_t n) {
@@ -255,15 +337,65 @@ void tiles(const uint16_t* x, int64_t m, int64_t k, const float* xsum, const uin
 }  // namespace
 #endif
 
-// x bf16 [M <= 4, K] @ W^T (+ bias fp32 [N]) -> bf16 [M, N], W packed (pack above) from Q4_0 or Q4_1.
+// Whether gemv takes these rows: up to 4; bf16 (Q4_0, Q4_1) or bf16 / fp32 (Q8_0).
+bool gemv_takes(const at::Tensor& x, int64_t format) {
+  return supported() && x.dim() == 2 && x.size(0) <= 4 &&
+         (x.scalar_type() == at::kBFloat16 || (format == kQ8_0 && x.scalar_type() == at::kFloat));
+}
+
+#ifdef KVTOP_QUANT_PACKED
+namespace {
+
+void q4_gemv(const at::Tensor& x, const uint8_t* wp, int64_t format, int64_t n, int64_t row_bytes, const float* bp,
+             at::Tensor& y) {
+  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> xsum(m * nb);  // the offset term's per-block sums of x, once per call
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const __m512 lo = _mm512_cvtpbh_ps(
+        reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kBlock))));
+    const __m512 hi = _mm512_cvtpbh_ps(
+        reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kBlock + 16))));
+    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // grain: ~16 KiB of weight a task, so that the small projections still split across threads
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * row_bytes));
+  at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
+    if (format == kQ4_1)
+      tiles<kQ4_1>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+    else
+      tiles<kQ4_0>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+  });
+}
+
+void q8_gemv(const at::Tensor& x, const uint8_t* wp, int64_t n, int64_t row_bytes, const float* bp, at::Tensor& y) {
+  const int64_t k = x.size(1), m = x.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * row_bytes));
+  at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
+    if (y.scalar_type() == at::kFloat)
+      q8_tiles<float>(xp, m, k, wp, t0, t1, bp, y.data_ptr<float>(), n);
+    else
+      q8_tiles<uint16_t>(xp, m, k, wp, t0, t1, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n);
+  });
+}
+
+}  // namespace
+#endif
+
+// x [M <= 4, K] @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above): bf16 x for
+// Q4_0 and Q4_1, bf16 or fp32 for Q8_0 (gemv_takes).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias) {
   check_packable(packed, format, n, "quant_packed_gemv");
   TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX-512 with BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda() && x.dim() == 2 && x.size(0) <= 4,
-              "quant_packed_gemv: x must be a bfloat16 [M <= 4, K]");
-  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
-  TORCH_CHECK(k % kBlock == 0 && packed.size(1) == nb * kvtop_quant::group_bytes(format),
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x, format),
+              "quant_packed_gemv: x must be a bfloat16 [M <= 4, K] (Q8_0: or float32)");
+  const int64_t k = x.size(1), m = x.size(0);
+  TORCH_CHECK(k % kBlock == 0 && packed.size(1) == k / kBlock * kvtop_quant::group_bytes(format),
               "quant_packed_gemv: x's K does not match the weight's");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -271,27 +403,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef KVTOP_QUANT_PACKED
   if (m > 0) {
-    const at::Tensor xc = x.contiguous();
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    std::vector<float> xsum(m * nb);  // the offset term's per-block sums of x, once per call
-    for (int64_t i = 0; i < m * nb; ++i) {
-      const __m512 lo = _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xp + i * kBlock))));
-      const __m512 hi = _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xp + i * kBlock + 16))));
-      xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    // grain: ~16 KiB of weight a task, so that the small projections still split across threads
-    const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
-    at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-      if (format == kQ4_1)
-        tiles<kQ4_1>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-      else
-        tiles<kQ4_0>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-    });
+    if (format == kQ8_0)
+      q8_gemv(x, wp, n, packed.size(1), bp, y);
+    else
+      q4_gemv(x, wp, format, n, packed.size(1), bp, y);
   }
 #endif
   return y;
