@@ -208,7 +208,7 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
         "tests/test_bf16_attention.py::test_placement",
         # nor AMX: the quantized layers' bf16 rows stay on the fp32 kernels, amx_quant_linear refuses
         "tests/test_quant_amx.py::test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kernel",
-        # nor the bf16 decode kernel on packed Q4 tiles: nothing is packed, the op refuses
+        # nor the packed decode kernel (AVX-512 with BF16): nothing is packed, the op refuses
         "tests/test_quant_packed.py::test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse",
     ]
     cmd = [

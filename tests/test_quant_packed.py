@@ -1,7 +1,8 @@
-"""Q4_0 and Q4_1 weights repacked at load for bf16 decode (csrc/quant_packed.cpp): the same bytes in
-tiles of 16 columns, which one to four bf16 rows multiply with AVX512-BF16 dot products; AMX reads
-the tiles without unpacking them, and everything else unpacks them to the file's layout. Without
-AVX512-BF16 nothing is packed and the ops refuse in one line (the AVX2 build's run checks that)."""
+"""Q4_0, Q4_1 and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the same bytes in
+tiles of 16 columns, which one to four rows multiply with the columns in a register's lanes; AMX
+reads the tiles without unpacking them, and everything else unpacks them to the file's layout.
+Without AVX-512 (with BF16) nothing is packed and the ops refuse in one line (the AVX2 build's run
+checks that)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.model.quant_linear import (
     QuantLinear,
     gemv_rows,
     kernel_available,
-    pack_for_bf16_decode,
+    pack_for_decode,
     packed_kernel_available,
 )
 from tests.test_quant_linear import random_blocks
@@ -57,7 +58,7 @@ def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order(fmt, shape):
-    """1 to GEMV_ROWS bf16 rows (and Q8_0's fp32 rows) against the blocks' exact values (the
+    """1 to GEMV_ROWS bf16 and fp32 rows against the blocks' exact values (the
     reference's de-quantized fp32 weight, in float64): within the result's rounding, as the file
     layout's kernel."""
     n, k = shape
@@ -73,16 +74,15 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
         scale = exact.abs().max()
         assert ((y.double() - exact).abs() / scale).max() < 8e-3
         assert ((y.double() - plain(x).double()).abs() / scale).max() < 8e-3
-        if fmt == GGMLQuantizationType.Q8_0:  # fp32 rows too, within fp32's rounding
-            exact32 = x.float().double() @ dense.t() + bias.double()
-            assert ((packed(x.float()).double() - exact32).abs() / scale).max() < 1e-5
+        exact32 = x.float().double() @ dense.t() + bias.double()  # fp32 rows: within fp32's rounding
+        assert ((packed(x.float()).double() - exact32).abs() / scale).max() < 1e-5
 
 
 @needs_packed
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 def test_one_hot_decode_rows_read_each_columns_values_back(fmt):
     """x = rows of the identity: each output is one column's value d * q + m exactly, rounded to
-    bf16 once (Q8_0's fp32 rows: exactly) — every value, scale and offset read from its place in the
+    bf16 once (fp32 rows: exactly) — every value, scale and offset read from its place in the
     tiles."""
     n, k = 48, 96
     plain, packed = layer_pair(fmt, n, k, seed=11)
@@ -90,28 +90,24 @@ def test_one_hot_decode_rows_read_each_columns_values_back(fmt):
     for rows in range(1, GEMV_ROWS + 1):
         picked = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
         assert torch.equal(packed(torch.eye(k)[picked].bfloat16()), weight_t[picked].bfloat16())
-        if fmt == GGMLQuantizationType.Q8_0:
-            assert torch.equal(packed(torch.eye(k)[picked]), weight_t[picked])
+        assert torch.equal(packed(torch.eye(k)[picked]), weight_t[picked])
 
 
 @needs_packed
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
-def test_more_rows_and_fp32_rows_get_what_the_files_layout_gives_bit_for_bit(fmt):
-    """Prefill and batched decode (AMX tiles straight from the packed bytes where the CPU has AMX,
-    the unpacked blocks elsewhere) and fp32 activations: the file layout's results exactly."""
+def test_more_rows_get_what_the_files_layout_gives_bit_for_bit(fmt):
+    """Prefill and batched decode, bf16 and fp32 (AMX tiles straight from the packed bytes where the
+    CPU has AMX, the unpacked blocks elsewhere): the file layout's results exactly."""
     n, k = 80, 160
     plain, packed = layer_pair(fmt, n, k, seed=5)
     for rows in (GEMV_ROWS + 1, 17, 64, 300):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(packed(x.bfloat16()), plain(x.bfloat16()))
         assert torch.equal(packed(x), plain(x))
-    if fmt != GGMLQuantizationType.Q8_0:  # Q8_0's decode kernel takes fp32 rows too (the test above)
-        x = torch.randn(2, k)
-        assert torch.equal(packed(x), plain(x))
 
 
 def tiny_net(head_fmt: GGMLQuantizationType, *layers: QuantLinear) -> torch.nn.Module:
-    """What pack_for_bf16_decode walks: decoder layers, a logits head and the embedding tied to it."""
+    """What pack_for_decode walks: decoder layers, a logits head and the embedding tied to it."""
     net = torch.nn.Module()
     net.layers = torch.nn.ModuleList(layers)
     net.logits_head = QuantLinear(random_blocks(head_fmt, 64, 96, seed=9).view(64, -1), head_fmt, 96)
@@ -128,12 +124,12 @@ def test_the_layers_and_a_q8_0_head_are_packed_and_the_tied_embedding_reads_the_
     net = tiny_net(GGMLQuantizationType.Q8_0, q4, q8, odd)
     ids = torch.tensor([[0, 17, 63], [5, 5, 40]])
     before = net.embed_tokens(ids)
-    assert pack_for_bf16_decode(net) == 3  # q4, q8 and the head; N = 24 is not whole tiles
+    assert pack_for_decode(net) == 3  # q4, q8 and the head; N = 24 is not whole tiles
     assert q4.packed and q8.packed and not odd.packed and net.logits_head.packed
     assert net.embed_tokens.blocks is net.logits_head.blocks  # held once
     assert torch.equal(net.embed_tokens(ids), before)
     q4_head = tiny_net(GGMLQuantizationType.Q4_1)  # an embedding reads packed Q8_0 rows only
-    assert pack_for_bf16_decode(q4_head) == 0 and not q4_head.logits_head.packed
+    assert pack_for_decode(q4_head) == 0 and not q4_head.logits_head.packed
 
 
 @pytest.mark.slow
@@ -184,7 +180,7 @@ def test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse():
     layer = QuantLinear(random_blocks(fmt, 32, 64, seed=2).view(32, -1), fmt, 64)
     net = tiny_net(GGMLQuantizationType.Q8_0, layer)
     before = layer.blocks.clone()
-    assert pack_for_bf16_decode(net) == 0
+    assert pack_for_decode(net) == 0
     assert not layer.packed and not net.logits_head.packed and torch.equal(layer.blocks, before)
     assert cpu.load()
     x = torch.randn(1, 64).bfloat16()

@@ -21,7 +21,7 @@ from engine.model.gguf_quant import load_quantized, quantized_load_refusal
 from engine.model.int8_weights import int8_refusal, quantize_int8
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
-from engine.model.quant_linear import pack_for_bf16_decode
+from engine.model.quant_linear import pack_for_decode
 from engine.model.spec import ModelSpec, config_fields, read_spec
 from engine.runtime.log import log
 
@@ -140,8 +140,7 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
     spec, config = read_spec(model_dir)
     if source is not None:
         net = load_quantized(source, spec, dtype)
-        if dtype == torch.bfloat16:  # the bf16 decode kernel's tiles (csrc/quant_packed.cpp), same bytes
-            pack_for_bf16_decode(net)
+        pack_for_decode(net)  # the decode kernel's tiles (csrc/quant_packed.cpp): the same bytes
     else:
         with torch.device("meta"):
             net = CausalLM(spec)

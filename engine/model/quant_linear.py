@@ -9,10 +9,10 @@ for a few rows (decode, where the weights' bytes set the time), and from `gemv_r
 once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
-In a bf16 model on a CPU with AVX512-BF16, the layers' Q4_0 and Q4_1 weights are repacked at load
-(`pack_for_bf16_decode`: the same bytes, tiles of 16 columns; csrc/quant_packed.cpp): one to four
-bf16 rows multiply 16 columns per dot-product instruction, the nibbles exact bf16 integers and each
-block's scale applied once per tile; any other call unpacks the weight to the file's layout first.
+On a CPU with AVX-512 (and BF16), Q4_0, Q4_1 and Q8_0 weights are repacked at load
+(`pack_for_decode`: the same bytes, tiles of 16 columns; csrc/quant_packed.cpp): one to four rows
+multiply 16 columns per FMA, each block's scale applied once per tile; more rows read AMX tiles or
+fp32 panels straight out of the tiles.
 
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
@@ -53,7 +53,7 @@ def gemv_rows() -> int:
 
 
 def packed_kernel_available() -> bool:
-    """The kernel extension built here with the packed bf16 decode kernel (AVX-512 BW + BF16)."""
+    """The kernel extension built here with the packed decode kernel (AVX-512 BW + BF16)."""
     return cpu.says("quant_packed_supported")
 
 
@@ -100,7 +100,7 @@ class QuantLinear(nn.Module):
         return self.use_kernel and self.fmt in PACKED_FORMATS and self.out_features % PACKED_TILE == 0
 
     def pack(self) -> None:
-        """Repack the blocks for bf16 decode (same bytes; the caller checked packed_kernel_available)."""
+        """Repack the blocks for decode (same bytes; the caller checked packed_kernel_available)."""
         if not self.packed and self.packable():
             self.blocks = torch.ops.kvtop_cpu.quant_pack(self.blocks, int(self.fmt), self.out_features)
             self.packed = True
@@ -127,8 +127,8 @@ class QuantLinear(nn.Module):
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-def pack_for_bf16_decode(net: nn.Module) -> int:
-    """Repack a bf16 model's Q4_0/Q4_1/Q8_0 QuantLinears (its layers' and its logits head's; an
+def pack_for_decode(net: nn.Module) -> int:
+    """Repack a model's Q4_0/Q4_1/Q8_0 QuantLinears (its layers' and its logits head's; an
     embedding tied to a Q8_0 head reads the packed blocks) where the packed kernel is built; returns
     how many were packed."""
     if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():

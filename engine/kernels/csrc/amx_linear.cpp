@@ -344,18 +344,24 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
   }
 }
 
-// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1/Q8_0 weight packed for bf16 decode
-// (quant_packed.cpp): a packed tile's 16 columns are half a group, and its chunk s widened to words is
-// already two B-tile rows — the low nibbles K pairs (4s, 4s + 1) of the 16 columns, the high ones
-// (4s + 2, 4s + 3); a Q8_0 tile's row r is B-tile row r — so each value only needs its column's scale
-// and offset (the reference's mul then add, Q4_0's d * (q - 8), Q8_0's d * q) and rounding to bf16:
-// no transpose.
+// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1/Q8_0 weight packed for decode
+// (quant_packed.cpp): a packed tile's 16 columns are half a group. B-tile row r holds the 16 columns'
+// elements 2r and 2r + 1: for Q4, bits 8 (r % 4) .. + 7 of group r / 4's dwords, which a shift and
+// vpermps turn into the 16 columns' values (as quant_packed.cpp's kernel reads them), scaled as the
+// reference does (mul then add; Q4_0's d * (q - 8)), rounded to bf16 and interleaved into pairs; for
+// Q8_0 the packed row r itself, times d. No transpose.
 template <int64_t F>
 void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
-  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;  // Q8_0: 32
+  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;
   const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
-  const __m512i mask = _mm512_set1_epi16(0x0F);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto scaled = [](__m512 q, __m512 d, __m512 m) {
+    if constexpr (F == kvtop_quant::kQ4_1) return _mm512_add_ps(_mm512_mul_ps(d, q), m);
+    return _mm512_mul_ps(d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));  // Q4_0
+  };
   for (int h = 0; h < 2; ++h) {
     const int64_t t = 2 * g + h;
     for (int64_t kb = 0; kb < kbs; ++kb) {
@@ -366,12 +372,8 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
       }
       const uint8_t* tb = w + (t * kbs + kb) * 16 * bytes;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
-      const __m512 m = F == kvtop_quant::kQ4_1
-                           ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
-                           : _mm512_setzero_ps();
-      const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, d), d1 = _mm512_permutexvar_ps(pairs_hi, d);
-      const __m512 m0 = _mm512_permutexvar_ps(pairs_lo, m), m1 = _mm512_permutexvar_ps(pairs_hi, m);
       if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
+        const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, d), d1 = _mm512_permutexvar_ps(pairs_hi, d);
         for (int r = 0; r < 16; ++r) {
           const uint8_t* q = tb + 32 + 32 * r;
           const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
@@ -380,23 +382,17 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
           _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                                      _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
         }
-        continue;
-      }
-      for (int s = 0; s < 8; ++s) {
-        const __m512i bytes32 =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + scales + 32 * s)));
-        const __m512i halves[2] = {_mm512_and_si512(bytes32, mask), _mm512_srli_epi16(bytes32, 4)};
-        for (int r = 0; r < 2; ++r) {
-          __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(halves[r])));
-          __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(halves[r], 1)));
-          if constexpr (F == kvtop_quant::kQ4_1) {
-            q0 = _mm512_add_ps(_mm512_mul_ps(d0, q0), m0);
-            q1 = _mm512_add_ps(_mm512_mul_ps(d1, q1), m1);
-          } else {
-            q0 = _mm512_mul_ps(d0, _mm512_sub_ps(q0, _mm512_set1_ps(8.0f)));
-            q1 = _mm512_mul_ps(d1, _mm512_sub_ps(q1, _mm512_set1_ps(8.0f)));
-          }
-          _mm512_storeu_si512(tile + (2 * s + r) * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q1, q0)));
+      } else {
+        const __m512 m = F == kvtop_quant::kQ4_1
+                             ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
+                             : _mm512_setzero_ps();
+        for (int r = 0; r < 16; ++r) {
+          const __m512i bits =
+              _mm512_srli_epi32(_mm512_loadu_si512(tb + scales + 64 * (r / 4)), static_cast<unsigned>(8 * (r % 4)));
+          const __m512 even = scaled(_mm512_permutexvar_ps(bits, values), d, m);
+          const __m512 odd = scaled(_mm512_permutexvar_ps(_mm512_srli_epi32(bits, 4), values), d, m);
+          const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
+          _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
         }
       }
     }

@@ -28,7 +28,7 @@ namespace kvtop_quant {
 // ggml's type ids, as engine/model/quant_linear.py names them
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int64_t kBlock = 32;  // values per sub-block: the unit both kernels walk
-// A weight repacked for bf16 decode (quant_packed.cpp) is named by its ggml type + this.
+// A weight repacked for decode (quant_packed.cpp) is named by its ggml type + this.
 constexpr int64_t kPackedFormat = 100;
 
 // Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).

@@ -61,10 +61,10 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int
                               const std::optional<at::Tensor>& bias);
 }  // namespace kvtop_amx
 
-namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1 repacked for bf16 decode
+namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1/Q8_0 repacked for decode
 bool supported();
 bool gemv_takes(const at::Tensor& x, int64_t format);
-at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n);
+void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
 }  // namespace kvtop_packed
@@ -237,11 +237,15 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t for
 // 48 rows' FMAs cost), and the item's x rows stay in L2 across the panels a thread takes.
 constexpr int64_t kItemRows = 256;
 
-// x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32, W as quant_gemv takes it: for many rows (prefill). A
+// x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32, W as quant_gemv takes it, or packed (format = its ggml
+// type + kPackedFormat: quant_packed.cpp reads the panel out of its tiles): for many rows (prefill). A
 // work item de-quantizes one panel of 48 columns into a thread's [K, 48] buffer (the reference's
 // values) and multiplies it into its rows with fp32_gemm's blocks (csrc/fp32_panel.h).
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                       const std::optional<at::Tensor>& bias) {
+  const bool packed = format >= kPackedFormat;
+  if (packed) format -= kPackedFormat;
+  TORCH_CHECK(!packed || kvtop_packed::supported(), "quant_gemm: this build has no AVX-512 with BF16");
   const int64_t bytes = check_operands(x, blocks, format, n, bias, "quant_gemm");
   const int64_t k = x.size(1), m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
@@ -257,7 +261,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t for
     kvtop_panels::for_each_item(m, panels, kItemRows, [&](int64_t m0, int64_t m1, int64_t p) {
       thread_local std::vector<float> panel;
       panel.resize(k * kNR);
-      dequant_panel<decltype(f)::value>(wp, bytes, p, n, k, panel.data());
+      if (packed)
+        kvtop_packed::dequant_panel(wp, format, p, n, k, kNR, panel.data());
+      else
+        dequant_panel<decltype(f)::value>(wp, bytes, p, n, k, panel.data());
       for (int64_t r = m0; r < m1; r += kvtop_fp32::kMC)
         kvtop_fp32::panel_item(xp, r, std::min(m1, r + kvtop_fp32::kMC), k, panel.data(), p * kNR, n, bp, yp,
                                nullptr);
@@ -275,8 +282,8 @@ constexpr int64_t kGemvRows = 4;
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, computed in fp32 by quant_gemv or quant_gemm;
 // bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear:
 // the weights rounded to bf16 as a bf16 model's are, its products bit for bit). A packed weight
-// (format = its ggml type + kPackedFormat, quant_packed.cpp) runs bf16 decode rows there, and
-// anything else on its unpacked copy.
+// (format = its ggml type + kPackedFormat, quant_packed.cpp) runs decode rows there, more bf16 rows on
+// AMX's tiles read from it, and anything else on quant_gemm's panels read from it.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                         const std::optional<at::Tensor>& bias) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
@@ -285,7 +292,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
     if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x, file_format))
       return kvtop_packed::gemv(x, blocks, file_format, n, bias);
     if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
-    return quant_linear(x, kvtop_packed::unpack(blocks, file_format, n), file_format, n, bias);
+    return quant_gemm(x.to(at::kFloat), blocks, format, n, bias).to(x.scalar_type());
   }
   if (tiles && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
     return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);

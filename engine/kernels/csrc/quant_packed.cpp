@@ -1,35 +1,28 @@
-// Q4_0 and Q4_1 weights repacked at load for bf16 decode: the same bytes in the order AVX512-BF16's
-// dot product wants (issue #41).
+// GGUF Q4_0, Q4_1 and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
+// columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
 //
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
-// the de-quantization, not the memory: each nibble is widened to a 32-bit lane, converted and
-// multiplied alone, and every block's scale is applied with a horizontal sum. Here 16 output columns
-// sit in a register's 16 lanes and one vdpbf16ps multiplies two K values of all 16 columns:
-//   - a nibble's value 0..15 is an exact bf16 (a 32-entry vpermw table), and a bf16 activation times
-//     it is exact in fp32, so per block of 32 the kernel sums S = sum_k x_k q_k in fp32 and applies
-//     the block's scale and offset once for the 16 columns: y += d * S + m * sum_k x_k
-//     (Q4_0: m = -8 d). The results are the de-quantized weights' products up to summation order,
-//     as quant_gemv's are; the activations must already be bf16 (a bf16 model's).
-//   - the per-block sums of x are computed once per call.
+// the de-quantization, not the memory: each column's nibbles are widened, converted and multiplied
+// into a K-lane register, and every block's scale waits for a horizontal sum. Here a register holds
+// one K value of 16 columns, so one FMA is 16 useful products, each block's scale and offset are
+// applied once per tile (y += d * S + m * sum_k x_k, Q4_0's m = -8 d), and nothing is summed across
+// lanes. Activations are fp32 (a bf16 row is widened once per call): the results are the blocks'
+// values' products up to summation order, as quant_gemv's are.
 //
 // The packed layout, for N a multiple of 16: the [N, row bytes] tensor keeps its shape and byte count
 // (resident bytes are the file's); its rows 16t .. 16t + 15 (tile t) hold, for each block b of 32 K
-// values in turn, 16 * block bytes:
-//   d[16] fp16 (one per column), Q4_1 only: m[16] fp16, then 8 chunks of 32 bytes: chunk s, byte
-//   2c + e holds column c's element 4s + e in its low nibble and element 4s + 2 + e in its high one,
-// so that one chunk widened to 32 words gives, through the table, lanes c = (q[4s], q[4s+1]) from the
-// low nibbles and (q[4s+2], q[4s+3]) from the high ones: the pairs vdpbf16ps multiplies by the
-// broadcast x pairs (x[4s], x[4s+1]) and (x[4s+2], x[4s+3]).
+// values in turn, 16 * block bytes: d[16] fp16 (one per column), then
+//   Q4_0 / Q4_1: (Q4_1: m[16] fp16) 4 groups of 64 bytes: group g's dword c holds column c's
+//     elements 8g .. 8g + 7, element 8g + j in bits 4j .. 4j + 3. `vpermps` reads only an index's low
+//     4 bits, so the dwords shifted right by 4j index a table of the floats 0..15 straight to the 16
+//     columns' element 8g + j: a shift and a permute per FMA, no mask, no conversion.
+//   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row's halves widened
+//     to 16 lanes of (column, parity) are multiplied by the broadcast pair (x[2r], x[2r + 1]) — one FMA
+//     for 8 columns' two K values; the pairs are summed at the tile's end. Row r is also row r of an
+//     AMX B tile (amx_linear.cpp builds its tiles from it; for Q4 from the groups).
 //
-// Q8_0 (the logits head of the default model, packed where AMX takes its batched rows): per tile block
-// d[16] fp16, then 16 rows of 32 bytes, row r's byte 2c + e column c's int8 element 2r + e. Its decode
-// kernel stays in fp32 (int8 is not a bf16 the table gives): a row widened to 16 lanes of (column,
-// parity) is multiplied by the broadcast fp32 pair (x[2r], x[2r + 1]) — one FMA for 8 columns' two
-// K values, no horizontal sum until the tile's end; bf16 or fp32 activations alike. Row r is also
-// row r of an AMX B tile (amx_linear.cpp).
-//
-// Every other use of a packed weight (more rows, fp32 activations, the reference) unpacks it to the
-// file's layout first (quant_unpack, a copy of the weight's bytes); quant_linear (quant_gemm.cpp)
+// Every other use of a packed weight (more rows on a CPU without AMX, the reference) unpacks it to
+// the file's layout first (quant_unpack, a copy of the weight's bytes); quant_linear (quant_gemm.cpp)
 // routes a packed format (its ggml type + kPackedFormat) here or there.
 
 #include <ATen/Parallel.h>
@@ -47,7 +40,7 @@
 
 #include "quant_blocks.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows rounded by vcvtneps2bf16
 #define KVTOP_QUANT_PACKED 1
 #endif
 
@@ -89,9 +82,8 @@ inline int q8_place(int c, int k) { return 32 * (k / 2) + 2 * c + (k & 1); }
 
 // Where element k of column c sits in a tile block's nibbles: the byte, and whether the high half.
 inline void packed_place(int c, int k, int& byte, bool& high) {
-  const int s = k / 4, r = k % 4;
-  byte = 32 * s + 2 * c + (r & 1);
-  high = r >= 2;
+  byte = 64 * (k / 8) + 4 * c + (k % 8) / 2;
+  high = k & 1;
 }
 
 }  // namespace
@@ -132,23 +124,18 @@ at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
 #ifdef KVTOP_QUANT_PACKED
 namespace {
 
-// One tile block back to the file's 16 blocks (the scales copied by the caller): chunk s, as 16 words
-// (column c: its byte pair), becomes per column the nibbles of elements 4s .. 4s + 3 in four bytes;
-// the 8 chunks' dwords are gathered per column (elements 0..31, a byte each), and a file block's
-// byte j is element j | element j + 16 << 4.
+// One tile block back to the file's 16 blocks (the scales copied by the caller): column c's four
+// dwords (one per group) are its 32 nibbles in order, two a byte; the file's byte j is element j |
+// element j + 16 << 4.
 inline void unpack_nibbles(const uint8_t* nib, uint8_t* const blk[kTile]) {
-  alignas(64) uint32_t quads[8][kTile];
-  const __m512i mask = _mm512_set1_epi32(0x0F0F);
-  for (int s = 0; s < 8; ++s) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * s)));
-    const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
-    _mm512_store_si512(quads[s], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-  }
-  const __m256i rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);  // quads[s][c]: s * 16 + c
+  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int c = 0; c < kTile; ++c) {
-    const __m256i q = _mm256_i32gather_epi32(reinterpret_cast<const int*>(&quads[0][c]), rows, 4);
-    const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk[c]), _mm_or_si128(low, _mm_slli_epi16(high, 4)));
+    uint32_t dwords[4];
+    for (int g = 0; g < 4; ++g) std::memcpy(&dwords[g], nib + 64 * g + 4 * c, 4);
+    const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dwords));  // byte i: elements 2i, 2i + 1
+    const __m128i even = _mm_and_si128(pairs, mask), odd = _mm_and_si128(_mm_srli_epi16(pairs, 4), mask);
+    const __m128i first = _mm_unpacklo_epi8(even, odd), second = _mm_unpackhi_epi8(even, odd);  // elements 0..15, 16..31
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk[c]), _mm_or_si128(first, _mm_slli_epi16(second, 4)));
   }
 }
 
@@ -188,31 +175,23 @@ at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n) {
 #ifdef KVTOP_QUANT_PACKED
 namespace {
 
-constexpr int kMaxRows = 4;  // quant_linear's decode rows (quant_gemm.cpp's kGemvRows)
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-// The nibble table: word i holds bf16(i % 16) (the widened byte's bit 4, the high nibble's lowest,
-// lands in the index's top bit for the low-nibble lookup: both halves of the table are the same).
-inline __m512i nibble_table() {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>(i % 16);
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    t[i] = static_cast<uint16_t>(u >> 16);  // exact: an integer below 256 has no bits past bf16's
-  }
-  return _mm512_load_si512(t);
+// 16 fp32 results to y: as they are, or rounded to bf16 (nearest even).
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(uint16_t* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// Tile t's 16 columns for rows [0, R): x bf16 [R, K] (row stride k), xsum fp32 [R, nb] (row stride
-// nb), y bf16 [R, 16] at stride ldy (the fp32 sums + bias rounded once, to nearest even). kChains dot-product chains per row (even and odd chunks, low
-// and high nibbles for one row) keep the adder busy while the next chunk is widened.
-template <int64_t F, int R>
-void tile_rows(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* tile, int64_t nb, const __m512i table,
-               const float* bias, uint16_t* y, int64_t ldy) {
+// The floats 0..15, which vpermps indexes with a dword's low 4 bits.
+inline __m512 nibble_values() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// Q4 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), xsum fp32 [R, nb] (row stride
+// nb), y [R, 16] of T (bf16 or fp32) at stride ldy: the fp32 sums + bias, rounded once. Two chains of
+// FMAs per row (elements even and odd) keep both FMA units fed.
+template <int64_t F, typename T, int R>
+void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* tile, int64_t nb, const float* bias,
+                  T* y, int64_t ldy) {
   constexpr int64_t bytes = F == kQ4_1 ? 20 : 18, scales = scale_bytes(F);
-  constexpr int kChains = R == 1 ? 4 : 2;  // a multiple of 2: chain (s % (kChains / 2)) * 2 + high
+  const __m512 values = nibble_values();
   __m512 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -220,36 +199,24 @@ void tile_rows(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* t
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
     const __m512 m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
                                 : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    const uint8_t* nib = tb + scales;
-    __m512 sum[R][kChains];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChains; ++c) sum[r][c] = _mm512_setzero_ps();
-    for (int s = 0; s < 8; ++s) {
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * s)));
-      const __m512bh lo = as_bh(_mm512_permutexvar_epi16(w, table));
-      const __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
-      const int c = (s % (kChains / 2)) * 2;
-      for (int r = 0; r < R; ++r) {
-        const uint16_t* xr = x + r * k + b * kBlock + 4 * s;
-        int32_t pair_lo, pair_hi;
-        std::memcpy(&pair_lo, xr, 4);
-        std::memcpy(&pair_hi, xr + 2, 4);
-        sum[r][c] = _mm512_dpbf16_ps(sum[r][c], as_bh(_mm512_set1_epi32(pair_lo)), lo);
-        sum[r][c + 1] = _mm512_dpbf16_ps(sum[r][c + 1], as_bh(_mm512_set1_epi32(pair_hi)), hi);
+    __m512 sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < 4; ++g) {
+      const __m512i group = _mm512_loadu_si512(tb + scales + 64 * g);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512 q = _mm512_permutexvar_ps(j == 0 ? group : _mm512_srli_epi32(group, 4 * j), values);
+        for (int r = 0; r < R; ++r)
+          sum[r][j & 1] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[r * k + b * kBlock + 8 * g + j]), sum[r][j & 1]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m512 total = _mm512_add_ps(sum[r][0], sum[r][1]);
-      for (int c = 2; c < kChains; c += 2) total = _mm512_add_ps(total, _mm512_add_ps(sum[r][c], sum[r][c + 1]));
-      acc[r] = _mm512_fmadd_ps(total, d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(sum[r][0], sum[r][1]), d, acc[r]);
       macc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
     }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r], macc[r]), bv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
-  }
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], macc[r]), bv));
 }
 
 // Q8_0 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), y [R, 16] of T (bf16 or
@@ -291,45 +258,31 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, co
   for (int r = 0; r < R; ++r) {
     const __m512 cols = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][0], even, acc[r][1]),
                                       _mm512_permutex2var_ps(acc[r][0], odd, acc[r][1]));
-    const __m512 out = _mm512_add_ps(cols, bv);
-    if constexpr (std::is_same_v<T, float>)
-      _mm512_storeu_ps(y + r * ldy, out);
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+    store16(y + r * ldy, _mm512_add_ps(cols, bv));
   }
 }
 
-template <typename T>
-void q8_tiles(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t t0, int64_t t1, const float* bias, T* y,
-              int64_t n) {
-  const int64_t nb = k / kBlock, tile_bytes = kTile * nb * 34;
+// Tiles [t0, t1) for m rows (1..4) of x fp32; xsum: Q4's per-block sums of x.
+template <int64_t F, typename T>
+void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+           const float* bias, T* y, int64_t n) {
+  const int64_t nb = k / kBlock, tile_bytes = kTile * nb * kvtop_quant::group_bytes(F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * tile_bytes;
     const float* bt = bias ? bias + t * kTile : nullptr;
     T* yt = y + t * kTile;
+    auto run = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (F == kQ8_0)
+        q8_tile_rows<T, R>(x, k, tile, nb, bt, yt, n);
+      else
+        q4_tile_rows<F, T, R>(x, k, xsum, tile, nb, bt, yt, n);
+    };
     switch (m) {
-      case 1: q8_tile_rows<T, 1>(x, k, tile, nb, bt, yt, n); break;
-      case 2: q8_tile_rows<T, 2>(x, k, tile, nb, bt, yt, n); break;
-      case 3: q8_tile_rows<T, 3>(x, k, tile, nb, bt, yt, n); break;
-      default: q8_tile_rows<T, 4>(x, k, tile, nb, bt, yt, n); break;
-    }
-  }
-}
-
-template <int64_t F>
-void tiles(const uint16_t* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
-           const float* bias, uint16_t* y, int64_t n) {
-  const int64_t nb = k / kBlock, tile_bytes = kTile * nb * (F == kQ4_1 ? 20 : 18);
-  const __m512i table = nibble_table();
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * tile_bytes;
-    const float* bt = bias ? bias + t * kTile : nullptr;
-    uint16_t* yt = y + t * kTile;
-    switch (m) {
-      case 1: tile_rows<F, 1>(x, k, xsum, tile, nb, table, bt, yt, n); break;
-      case 2: tile_rows<F, 2>(x, k, xsum, tile, nb, table, bt, yt, n); break;
-      case 3: tile_rows<F, 3>(x, k, xsum, tile, nb, table, bt, yt, n); break;
-      default: tile_rows<F, 4>(x, k, xsum, tile, nb, table, bt, yt, n); break;
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{}); break;
     }
   }
 }
@@ -337,81 +290,107 @@ void tiles(const uint16_t* x, int64_t m, int64_t k, const float* xsum, const uin
 }  // namespace
 #endif
 
-// Whether gemv takes these rows: up to 4; bf16 (Q4_0, Q4_1) or bf16 / fp32 (Q8_0).
+// Whether gemv takes these rows: up to 4, bf16 or fp32.
 bool gemv_takes(const at::Tensor& x, int64_t format) {
+  (void)format;
   return supported() && x.dim() == 2 && x.size(0) <= 4 &&
-         (x.scalar_type() == at::kBFloat16 || (format == kQ8_0 && x.scalar_type() == at::kFloat));
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
 }
 
-#ifdef KVTOP_QUANT_PACKED
-namespace {
-
-void q4_gemv(const at::Tensor& x, const uint8_t* wp, int64_t format, int64_t n, int64_t row_bytes, const float* bp,
-             at::Tensor& y) {
-  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
-  const at::Tensor xc = x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  std::vector<float> xsum(m * nb);  // the offset term's per-block sums of x, once per call
-  for (int64_t i = 0; i < m * nb; ++i) {
-    const __m512 lo = _mm512_cvtpbh_ps(
-        reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kBlock))));
-    const __m512 hi = _mm512_cvtpbh_ps(
-        reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kBlock + 16))));
-    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-  }
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // grain: ~16 KiB of weight a task, so that the small projections still split across threads
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * row_bytes));
-  at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-    if (format == kQ4_1)
-      tiles<kQ4_1>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-    else
-      tiles<kQ4_0>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-  });
-}
-
-void q8_gemv(const at::Tensor& x, const uint8_t* wp, int64_t n, int64_t row_bytes, const float* bp, at::Tensor& y) {
-  const int64_t k = x.size(1), m = x.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * row_bytes));
-  at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-    if (y.scalar_type() == at::kFloat)
-      q8_tiles<float>(xp, m, k, wp, t0, t1, bp, y.data_ptr<float>(), n);
-    else
-      q8_tiles<uint16_t>(xp, m, k, wp, t0, t1, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n);
-  });
-}
-
-}  // namespace
-#endif
-
-// x [M <= 4, K] @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above): bf16 x for
-// Q4_0 and Q4_1, bf16 or fp32 for Q8_0 (gemv_takes).
+// x [M <= 4, K] bf16 or fp32 @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias) {
   check_packable(packed, format, n, "quant_packed_gemv");
   TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX-512 with BF16");
-  TORCH_CHECK(!x.is_cuda() && gemv_takes(x, format),
-              "quant_packed_gemv: x must be a bfloat16 [M <= 4, K] (Q8_0: or float32)");
-  const int64_t k = x.size(1), m = x.size(0);
-  TORCH_CHECK(k % kBlock == 0 && packed.size(1) == k / kBlock * kvtop_quant::group_bytes(format),
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x, format), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
+  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0 && packed.size(1) == nb * kvtop_quant::group_bytes(format),
               "quant_packed_gemv: x's K does not match the weight's");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "quant_packed_gemv: bias must be a contiguous float32 [N]");
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef KVTOP_QUANT_PACKED
-  if (m > 0) {
-    const uint8_t* wp = packed.data_ptr<uint8_t>();
-    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    if (format == kQ8_0)
-      q8_gemv(x, wp, n, packed.size(1), bp, y);
+  if (m == 0) return y;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xsum(m * nb);  // Q4's offset term: the per-block sums of x, once per call
+  for (int64_t i = 0; i < m * nb; ++i)
+    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xp + i * kBlock), _mm512_loadu_ps(xp + i * kBlock + 16)));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // grain: ~16 KiB of weight a task, so that the small projections still split across threads
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
+  auto body = [&](auto f, auto* yp) {
+    at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
+      tiles<decltype(f)::value>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+    });
+  };
+  auto by_output = [&](auto f) {
+    if (x.scalar_type() == at::kFloat)
+      body(f, y.data_ptr<float>());
     else
-      q4_gemv(x, wp, format, n, packed.size(1), bp, y);
-  }
+      body(f, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  };
+  if (format == kQ8_0)
+    by_output(std::integral_constant<int64_t, kQ8_0>{});
+  else if (format == kQ4_1)
+    by_output(std::integral_constant<int64_t, kQ4_1>{});
+  else
+    by_output(std::integral_constant<int64_t, kQ4_0>{});
 #endif
   return y;
+}
+
+// Columns [p * width, p * width + width) of a packed weight as fp32 panel rows: out [K, width], row k
+// holding W[col, k] — the reference's values (mul then add; Q4_0's d * (q - 8); Q8_0's d * q), zero
+// past N — for quant_gemm.cpp's panels (fp32 rows past the decode rows, and bf16 ones without AMX).
+// A tile's 16 columns are a 16-lane segment of every panel row: no transpose.
+void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out) {
+#ifdef KVTOP_QUANT_PACKED
+  const int64_t nb = k / kBlock, bytes = kvtop_quant::group_bytes(format), scales = scale_bytes(format);
+  const __m512 values = nibble_values();
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t i = 0; i < width / kTile; ++i) {
+    const int64_t t = p * (width / kTile) + i;
+    float* seg = out + i * kTile;
+    if (t * kTile >= n) {
+      for (int64_t row = 0; row < k; ++row) _mm512_storeu_ps(seg + row * width, _mm512_setzero_ps());
+      continue;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tb = w + (t * nb + b) * kTile * bytes;
+      float* rows = seg + b * kBlock * width;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+      if (format == kQ8_0) {
+        for (int r = 0; r < 16; ++r) {  // row r: (column, parity) for columns 0..7, then 8..15
+          const uint8_t* q = tb + 32 + 32 * r;
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          const __m512 hi =
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+          _mm512_storeu_ps(rows + (2 * r) * width, _mm512_mul_ps(d, _mm512_permutex2var_ps(lo, even, hi)));
+          _mm512_storeu_ps(rows + (2 * r + 1) * width, _mm512_mul_ps(d, _mm512_permutex2var_ps(lo, odd, hi)));
+        }
+        continue;
+      }
+      const __m512 m = format == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
+                                       : _mm512_setzero_ps();
+      for (int g = 0; g < 4; ++g) {
+        const __m512i group = _mm512_loadu_si512(tb + scales + 64 * g);
+        for (int j = 0; j < 8; ++j) {
+          const __m512 q = _mm512_permutexvar_ps(_mm512_srli_epi32(group, static_cast<unsigned>(4 * j)), values);
+          const __m512 v = format == kQ4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q), m)
+                                           : _mm512_mul_ps(d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
+          _mm512_storeu_ps(rows + (8 * g + j) * width, v);
+        }
+      }
+    }
+  }
+#else
+  (void)w, (void)format, (void)p, (void)n, (void)k, (void)width, (void)out;
+  TORCH_CHECK(false, "quant_packed: this build has no AVX-512 with BF16");
+#endif
 }
 
 }  // namespace kvtop_packed
