@@ -431,20 +431,33 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0);
+  // A task de-quantizes a run of groups (up to ~512 KiB of tiles; the runs a multiple of the threads)
+  // and multiplies every 256-row block by them in turn, so each block's rows are read once per run
+  // rather than once per group: at 2,048 rows of SmolLM2's gate/up, one group at a time read x's
+  // 2.4 MB 96 times and ran at 0.7x amx_linear on the same weight in bf16.
+  const int64_t group_bytes = kbs * 2 * kTileElems * 2, threads = at::get_num_threads();
+  const int64_t fit = std::max<int64_t>(1, (512 << 10) / group_bytes);
+  int64_t per_task = (groups + threads - 1) / threads;  // one run a thread, or as many as fit in 512 KiB
+  for (int64_t runs = 2; per_task > fit; ++runs) per_task = (groups + runs * threads - 1) / (runs * threads);
+  const int64_t tasks = (groups + per_task - 1) / per_task;
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       thread_local std::vector<uint16_t> tiles;
-      tiles.resize(kbs * 2 * kTileElems);
-      for (int64_t g = g0; g < g1; ++g) {
-        if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1 || F == kvtop_quant::kQ8_0) {
-          if (packed) dequant_packed_group<F>(wp, g, n, kbs, tiles.data());
-          else dequant_group<F>(wp, row_bytes, g, n, kbs, tiles.data());
-        } else {
-          dequant_group<F>(wp, row_bytes, g, n, kbs, tiles.data());
+      tiles.resize(per_task * kbs * 2 * kTileElems);
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+        for (int64_t g = g0; g < g1; ++g) {
+          uint16_t* group_tiles = tiles.data() + (g - g0) * kbs * 2 * kTileElems;
+          if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1 || F == kvtop_quant::kQ8_0) {
+            if (packed) dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
+            else dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
+          } else {
+            dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
+          }
         }
         for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
-          run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g, g + 1,
+          run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g0, g1,
                      Epilogue::kPlain);
       }
     });
