@@ -21,7 +21,7 @@ from engine.model.quant_linear import (
     pack_for_decode,
     packed_kernel_available,
 )
-from tests.test_quant_linear import random_blocks
+from tests.test_quant_linear import random_blocks, whole_blocks
 
 Q4_0 = GGMLQuantizationType.Q4_0
 PACKED = packed_kernel_available()
@@ -35,7 +35,8 @@ SHAPES = [(16, 32), (48, 96), (576, 160), (192, 576), (576, 1536)]
 
 
 def layer_pair(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> tuple[QuantLinear, QuantLinear]:
-    """The same blocks twice: in the file's layout, and packed."""
+    """The same blocks twice (K rounded up to Q4_K's 256), in the file's layout and packed."""
+    k = whole_blocks(fmt, k)
     blocks = random_blocks(fmt, n, k, seed).view(n, -1)
     plain, packed = QuantLinear(blocks.clone(), fmt, k), QuantLinear(blocks.clone(), fmt, k)
     packed.pack()
@@ -48,6 +49,7 @@ def layer_pair(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> tuple[Qu
 def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt, shape):
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=n + k)
+    k = plain.in_features
     assert packed.packed and packed.blocks.shape == plain.blocks.shape  # resident bytes: the file's
     assert not torch.equal(packed.blocks, plain.blocks)
     assert torch.equal(packed.file_blocks(), plain.blocks)
@@ -63,6 +65,7 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
     layout's kernel."""
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=3)
+    k = plain.in_features
     bias = torch.randn(n)
     plain.bias = packed.bias = bias
     dense = plain.dense_weight().double()
@@ -86,6 +89,7 @@ def test_one_hot_decode_rows_read_each_columns_values_back(fmt):
     tiles."""
     n, k = 48, 96
     plain, packed = layer_pair(fmt, n, k, seed=11)
+    k = plain.in_features
     weight_t = plain.dense_weight().t()
     for rows in range(1, GEMV_ROWS + 1):
         picked = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
@@ -100,6 +104,7 @@ def test_more_rows_get_what_the_files_layout_gives_bit_for_bit(fmt):
     CPU has AMX, the unpacked blocks elsewhere): the file layout's results exactly."""
     n, k = 80, 160
     plain, packed = layer_pair(fmt, n, k, seed=5)
+    k = plain.in_features
     for rows in (GEMV_ROWS + 1, 17, 64, 300):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(packed(x.bfloat16()), plain(x.bfloat16()))

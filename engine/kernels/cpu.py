@@ -54,6 +54,7 @@ HEADERS = [
     CSRC / "fp32_panel.h",
     CSRC / "row_blocks.h",
     CSRC / "quant_blocks.h",
+    CSRC / "quant_packed.h",
 ]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).

@@ -57,7 +57,12 @@ def packed_kernel_available() -> bool:
     return cpu.says("quant_packed_supported")
 
 
-PACKED_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)  # quant_pack's
+PACKED_FORMATS = (  # what quant_pack repacks
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q8_0,
+)
 PACKED_OFFSET = 100  # a packed weight's kernel format: its ggml type + this (quant_blocks.h's kPackedFormat)
 PACKED_TILE = 16  # columns per tile: N must be a multiple
 

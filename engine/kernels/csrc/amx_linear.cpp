@@ -47,6 +47,7 @@
 #include "amx_tiles.h"
 #include "bf16_simd.h"
 #include "quant_blocks.h"
+#include "quant_packed.h"
 
 namespace {
 
@@ -344,24 +345,17 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
   }
 }
 
-// Group g's tiles, as dequant_group makes them, from a Q4_0/Q4_1/Q8_0 weight packed for decode
-// (quant_packed.cpp): a packed tile's 16 columns are half a group. B-tile row r holds the 16 columns'
-// elements 2r and 2r + 1: for Q4, bits 8 (r % 4) .. + 7 of group r / 4's dwords, which a shift and
-// vpermps turn into the 16 columns' values (as quant_packed.cpp's kernel reads them), scaled as the
-// reference does (mul then add; Q4_0's d * (q - 8)), rounded to bf16 and interleaved into pairs; for
-// Q8_0 the packed row r itself, times d. No transpose.
+// Group g's tiles, as dequant_group makes them, from a weight packed for decode (quant_packed.h): a
+// packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
+// 2r + 1: for Q4 (Q4_0, Q4_1, Q4_K) the values quant_packed.cpp's kernel reads (q4_values), scaled as
+// the reference does (q4_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
+// itself, times d. No transpose.
 template <int64_t F>
 void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
-  const int64_t bytes = kvtop_quant::group_bytes(F), scales = F == kvtop_quant::kQ4_1 ? 64 : 32;
   const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto scaled = [](__m512 q, __m512 d, __m512 m) {
-    if constexpr (F == kvtop_quant::kQ4_1) return _mm512_add_ps(_mm512_mul_ps(d, q), m);
-    return _mm512_mul_ps(d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));  // Q4_0
-  };
   for (int h = 0; h < 2; ++h) {
     const int64_t t = 2 * g + h;
     for (int64_t kb = 0; kb < kbs; ++kb) {
@@ -370,12 +364,11 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
         std::memset(tile, 0, kTileElems * 2);
         continue;
       }
-      const uint8_t* tb = w + (t * kbs + kb) * 16 * bytes;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+      const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
       if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
-        const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, d), d1 = _mm512_permutexvar_ps(pairs_hi, d);
+        const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, sub.d), d1 = _mm512_permutexvar_ps(pairs_hi, sub.d);
         for (int r = 0; r < 16; ++r) {
-          const uint8_t* q = tb + 32 + 32 * r;
+          const uint8_t* q = sub.values + 32 * r;
           const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
           const __m512 q1 =
               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
@@ -383,14 +376,10 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
                                                      _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
         }
       } else {
-        const __m512 m = F == kvtop_quant::kQ4_1
-                             ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
-                             : _mm512_setzero_ps();
         for (int r = 0; r < 16; ++r) {
-          const __m512i bits =
-              _mm512_srli_epi32(_mm512_loadu_si512(tb + scales + 64 * (r / 4)), static_cast<unsigned>(8 * (r % 4)));
-          const __m512 even = scaled(_mm512_permutexvar_ps(bits, values), d, m);
-          const __m512 odd = scaled(_mm512_permutexvar_ps(_mm512_srli_epi32(bits, 4), values), d, m);
+          const int group = r / 4, i = 2 * (r % 4);
+          const __m512 even = kvtop_packed::q4_weight<F>(sub, kvtop_packed::q4_values(sub.values, group, i));
+          const __m512 odd = kvtop_packed::q4_weight<F>(sub, kvtop_packed::q4_values(sub.values, group, i + 1));
           const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
           _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
         }
@@ -413,10 +402,8 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const bool packed = format >= kvtop_quant::kPackedFormat;  // quant_packed.cpp's tiles of Q4_0 / Q4_1
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
   kvtop_quant::check_blocks(blocks, file_format, n, k, "amx_quant_linear");
-  TORCH_CHECK(!packed || ((file_format == kvtop_quant::kQ4_0 || file_format == kvtop_quant::kQ4_1 ||
-                            file_format == kvtop_quant::kQ8_0) &&
-                           n % 16 == 0),
-              "amx_quant_linear: only Q4_0, Q4_1 and Q8_0 weights of 16k columns are packed");
+  TORCH_CHECK(!packed || (kvtop_packed::packable_format(file_format) && n % kvtop_packed::kTile == 0),
+              "amx_quant_linear: only Q4_0, Q4_1, Q4_K and Q8_0 weights of 16k columns are packed");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -449,7 +436,7 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
         const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
         for (int64_t g = g0; g < g1; ++g) {
           uint16_t* group_tiles = tiles.data() + (g - g0) * kbs * 2 * kTileElems;
-          if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ4_1 || F == kvtop_quant::kQ8_0) {
+          if constexpr (F != kvtop_quant::kQ6_K) {
             if (packed) dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
             else dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
           } else {

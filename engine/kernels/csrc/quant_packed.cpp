@@ -9,17 +9,19 @@
 // lanes. Activations are fp32 (a bf16 row is widened once per call): the results are the blocks'
 // values' products up to summation order, as quant_gemv's are.
 //
-// The packed layout, for N a multiple of 16: the [N, row bytes] tensor keeps its shape and byte count
-// (resident bytes are the file's); its rows 16t .. 16t + 15 (tile t) hold, for each block b of 32 K
-// values in turn, 16 * block bytes: d[16] fp16 (one per column), then
-//   Q4_0 / Q4_1: (Q4_1: m[16] fp16) 4 groups of 64 bytes: group g's dword c holds column c's
-//     elements 8g .. 8g + 7, element 8g + j in bits 4j .. 4j + 3. `vpermps` reads only an index's low
-//     4 bits, so the dwords shifted right by 4j index a table of the floats 0..15 straight to the 16
-//     columns' element 8g + j: a shift and a permute per FMA, no mask, no conversion.
+// The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
+// tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
+// each of the file's groups along K in turn, 16 columns' worth:
+//   Q4_0 / Q4_1 / Q4_K: per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
+//     c's elements 8g .. 8g + 7, a nibble each. `vpermps` reads only an index's low 4 bits, so the
+//     dwords shifted right by 4j index a table of the floats 0..15 straight to the 16 columns'
+//     element 8g + j: a shift and a permute per FMA, no mask, no conversion. The scales (Q4_K's
+//     6-bit scales and mins, 16 columns a row) come out once per sub-block as 16 lanes.
 //   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row's halves widened
 //     to 16 lanes of (column, parity) are multiplied by the broadcast pair (x[2r], x[2r + 1]) — one FMA
-//     for 8 columns' two K values; the pairs are summed at the tile's end. Row r is also row r of an
-//     AMX B tile (amx_linear.cpp builds its tiles from it; for Q4 from the groups).
+//     for 8 columns' two K values; the pairs are summed at the tile's end.
+// A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
+// pairs, of an AMX B tile (amx_linear.cpp): both read the packed weight without a transpose.
 //
 // Every other use of a packed weight (more rows on a CPU without AMX, the reference) unpacks it to
 // the file's layout first (quant_unpack, a copy of the weight's bytes); quant_linear (quant_gemm.cpp)
@@ -39,18 +41,15 @@
 #include <vector>
 
 #include "quant_blocks.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows rounded by vcvtneps2bf16
-#define KVTOP_QUANT_PACKED 1
-#endif
+#include "quant_packed.h"
 
 namespace kvtop_packed {
 
 using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
+using kvtop_quant::kQ4_K;
 using kvtop_quant::kQ8_0;
-constexpr int64_t kTile = 16;           // columns per tile: one fp32 register's lanes
 
 bool supported() {
 #ifdef KVTOP_QUANT_PACKED
@@ -62,20 +61,41 @@ bool supported() {
 
 namespace {
 
-// Bytes before the values in a tile's block: d[16], and m[16] for Q4_1.
-constexpr int64_t scale_bytes(int64_t format) { return format == kQ4_1 ? 64 : 32; }
-
 void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const char* op) {
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, op,
-              ": only Q4_0, Q4_1 and Q8_0 weights are packed, not ggml type ", format);
+  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q4_K and Q8_0 weights are packed, not ggml type ",
+              format);
   TORCH_CHECK(n % kTile == 0, op, ": N must be a multiple of ", kTile);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) == n,
               op, ": the weight must be a contiguous uint8 [N, row bytes]");
   TORCH_CHECK(blocks.size(1) % kvtop_quant::group_bytes(format) == 0, op, ": a row must be whole blocks");
 }
 
-// Element k (0..31) of a file block's nibbles: byte k's low half for k < 16, byte k - 16's high half.
-inline uint8_t file_nibble(const uint8_t* qs, int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; }
+// Element k (0..31) of sub-block j of a file group's nibbles: Q4_0/Q4_1 byte k's low half for k < 16,
+// byte k - 16's high half; Q4_K's sub-blocks 2i and 2i + 1 the low and high halves of bytes 32i ..
+inline uint8_t file_nibble(int64_t format, const uint8_t* qs, int j, int k) {
+  if (format == kQ4_K) return (qs[32 * (j / 2) + k] >> (4 * (j & 1))) & 0x0F;
+  return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4;
+}
+inline void set_file_nibble(int64_t format, uint8_t* qs, int j, int k, uint8_t v) {
+  if (format == kQ4_K)
+    qs[32 * (j / 2) + k] |= static_cast<uint8_t>(v << (4 * (j & 1)));
+  else
+    qs[k % 16] |= static_cast<uint8_t>(v << (k < 16 ? 0 : 4));
+}
+
+// A group's layout in the tile: bytes of 16 columns' scales (copied 2 bytes a column from the file's
+// offset `at` to the tile's `to`), where the file's values start, where sub-block j's nibbles start.
+struct GroupLayout {
+  int scales;  // fp16 fields per column: d (and m or dmin)
+  int head;    // the file group's bytes before its values
+  bool k_format;
+  int64_t nibbles(int j) const { return k_format ? 256 + 256 * j : 32 * scales; }
+};
+inline GroupLayout group_layout(int64_t format) {
+  if (format == kQ4_K) return {2, 16, true};
+  if (format == kQ4_1) return {2, 4, false};
+  return {1, 2, false};  // Q4_0, Q8_0
+}
 
 // Where Q8_0 element k of column c sits in a tile block's values.
 inline int q8_place(int c, int k) { return 32 * (k / 2) + 2 * c + (k & 1); }
@@ -86,90 +106,79 @@ inline void packed_place(int c, int k, int& byte, bool& high) {
   high = k & 1;
 }
 
-}  // namespace
-
-// The file's blocks [N, row bytes] of Q4_0, Q4_1 or Q8_0 in the packed layout: same shape, same bytes.
-at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
-  check_packable(blocks, format, n, "quant_pack");
-  const int64_t bytes = kvtop_quant::group_bytes(format), nb = blocks.size(1) / bytes;
-  const int64_t head = format == kQ4_1 ? 4 : 2, scales = scale_bytes(format);
-  at::Tensor out = at::empty_like(blocks);
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* tb = dst + (t * nb + b) * kTile * bytes;
-        std::memset(tb + scales, 0, 256);
-        for (int c = 0; c < kTile; ++c) {
-          const uint8_t* blk = src + ((t * kTile + c) * nb + b) * bytes;
-          std::memcpy(tb + 2 * c, blk, 2);                                // d
-          if (format == kQ4_1) std::memcpy(tb + 32 + 2 * c, blk + 2, 2);  // m
-          if (format == kQ8_0) {
-            for (int k = 0; k < kBlock; ++k) tb[scales + q8_place(c, k)] = blk[2 + k];
-            continue;
-          }
-          for (int k = 0; k < kBlock; ++k) {
-            int byte;
-            bool high;
-            packed_place(c, k, byte, high);
-            tb[scales + byte] |= static_cast<uint8_t>(file_nibble(blk + head, k) << (high ? 4 : 0));
-          }
-        }
-      }
-  });
-  return out;
-}
-
-#ifdef KVTOP_QUANT_PACKED
-namespace {
-
-// One tile block back to the file's 16 blocks (the scales copied by the caller): column c's four
-// dwords (one per group) are its 32 nibbles in order, two a byte; the file's byte j is element j |
-// element j + 16 << 4.
-inline void unpack_nibbles(const uint8_t* nib, uint8_t* const blk[kTile]) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
+// Copies one tile group between the file's layout (blk[c]: column c's group) and the packed one
+// (tile), either way: to_tile true packs, false unpacks (the destination's nibbles zeroed first).
+void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool to_tile) {
+  const GroupLayout L = group_layout(format);
+  const int64_t bytes = kvtop_quant::group_bytes(format), values = bytes - L.head;
+  const int subs = static_cast<int>(kvtop_quant::group_blocks(format));
+  if (to_tile)
+    std::memset(tile + 32 * L.scales, 0, kTile * bytes - 32 * L.scales);
+  else
+    for (int c = 0; c < kTile; ++c) std::memset(blk[c] + L.head, 0, values);
   for (int c = 0; c < kTile; ++c) {
-    uint32_t dwords[4];
-    for (int g = 0; g < 4; ++g) std::memcpy(&dwords[g], nib + 64 * g + 4 * c, 4);
-    const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(dwords));  // byte i: elements 2i, 2i + 1
-    const __m128i even = _mm_and_si128(pairs, mask), odd = _mm_and_si128(_mm_srli_epi16(pairs, 4), mask);
-    const __m128i first = _mm_unpacklo_epi8(even, odd), second = _mm_unpackhi_epi8(even, odd);  // elements 0..15, 16..31
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk[c]), _mm_or_si128(first, _mm_slli_epi16(second, 4)));
+    for (int f = 0; f < L.scales; ++f) {  // d, then m (Q4_1) or dmin (Q4_K)
+      uint8_t* a = tile + 32 * f + 2 * c;
+      uint8_t* b = blk[c] + 2 * f;
+      to_tile ? std::memcpy(a, b, 2) : std::memcpy(b, a, 2);
+    }
+    if (format == kQ4_K)
+      for (int r = 0; r < 12; ++r) {  // the 6-bit scales, 16 columns a row
+        uint8_t* a = tile + 64 + 16 * r + c;
+        to_tile ? (*a = blk[c][4 + r]) : (blk[c][4 + r] = *a);
+      }
+    uint8_t* qs = blk[c] + L.head;
+    if (format == kQ8_0) {
+      for (int k = 0; k < kBlock; ++k) {
+        uint8_t* a = tile + 32 + q8_place(c, k);
+        to_tile ? (*a = qs[k]) : (qs[k] = *a);
+      }
+      continue;
+    }
+    for (int j = 0; j < subs; ++j)
+      for (int k = 0; k < kBlock; ++k) {
+        int byte;
+        bool high;
+        packed_place(c, k, byte, high);
+        uint8_t* a = tile + L.nibbles(j) + byte;
+        if (to_tile)
+          *a |= static_cast<uint8_t>(file_nibble(format, qs, j, k) << (high ? 4 : 0));
+        else
+          set_file_nibble(format, qs, j, k, high ? *a >> 4 : *a & 0x0F);
+      }
   }
 }
 
+// Between the file's blocks [N, row bytes] and the packed layout (same shape, same bytes).
+at::Tensor repack(const at::Tensor& blocks, int64_t format, int64_t n, bool to_tile, const char* op) {
+  check_packable(blocks, format, n, op);
+  const int64_t bytes = kvtop_quant::group_bytes(format), groups = blocks.size(1) / bytes;
+  at::Tensor out = at::empty_like(blocks);
+  uint8_t* src = const_cast<uint8_t*>(blocks.data_ptr<uint8_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint8_t* file = to_tile ? src : dst;
+  uint8_t* packed = to_tile ? dst : src;
+  at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* blk[kTile];
+        for (int c = 0; c < kTile; ++c) blk[c] = file + ((t * kTile + c) * groups + g) * bytes;
+        copy_group(format, packed + (t * groups + g) * kTile * bytes, blk, to_tile);
+      }
+  });
+  return out;
+}
+
 }  // namespace
-#endif
+
+// The file's blocks [N, row bytes] of Q4_0, Q4_1, Q4_K or Q8_0 in the packed layout.
+at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
+  return repack(blocks, format, n, true, "quant_pack");
+}
 
 // The packed weight back in the file's layout (bit for bit the blocks it was packed from).
 at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n) {
-  check_packable(packed, format, n, "quant_unpack");
-  TORCH_CHECK(supported(), "quant_unpack: this build has no AVX-512 with BF16");
-  at::Tensor out = at::empty_like(packed);
-#ifdef KVTOP_QUANT_PACKED
-  const int64_t bytes = kvtop_quant::group_bytes(format), nb = packed.size(1) / bytes;
-  const int64_t head = format == kQ4_1 ? 4 : 2, scales = scale_bytes(format);
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* tb = src + (t * nb + b) * kTile * bytes;
-        uint8_t* blk[kTile];
-        for (int c = 0; c < kTile; ++c) {
-          blk[c] = dst + ((t * kTile + c) * nb + b) * bytes;
-          std::memcpy(blk[c], tb + 2 * c, 2);
-          if (format == kQ4_1) std::memcpy(blk[c] + 2, tb + 32 + 2 * c, 2);
-          if (format == kQ8_0)
-            for (int k = 0; k < kBlock; ++k) blk[c][2 + k] = tb[scales + q8_place(c, k)];
-          blk[c] += head;
-        }
-        if (format != kQ8_0) unpack_nibbles(tb + scales, blk);
-      }
-  });
-#endif
-  return out;
+  return repack(packed, format, n, false, "quant_unpack");
 }
 
 #ifdef KVTOP_QUANT_PACKED
@@ -181,28 +190,21 @@ inline void store16(uint16_t* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// The floats 0..15, which vpermps indexes with a dword's low 4 bits.
-inline __m512 nibble_values() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
 // Q4 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), xsum fp32 [R, nb] (row stride
 // nb), y [R, 16] of T (bf16 or fp32) at stride ldy: the fp32 sums + bias, rounded once. Two chains of
 // FMAs per row (elements even and odd) keep both FMA units fed.
 template <int64_t F, typename T, int R>
-void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* tile, int64_t nb, const float* bias,
-                  T* y, int64_t ldy) {
-  constexpr int64_t bytes = F == kQ4_1 ? 20 : 18, scales = scale_bytes(F);
+void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t nb,
+                  const float* bias, T* y, int64_t ldy) {
   const __m512 values = nibble_values();
   __m512 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tb = tile + b * kTile * bytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
-    const __m512 m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
-                                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const Sub sub = packed_sub<F>(w, t, b, nb);
     __m512 sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < 4; ++g) {
-      const __m512i group = _mm512_loadu_si512(tb + scales + 64 * g);
+      const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512 q = _mm512_permutexvar_ps(j == 0 ? group : _mm512_srli_epi32(group, 4 * j), values);
@@ -211,8 +213,8 @@ void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* t
       }
     }
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(sum[r][0], sum[r][1]), d, acc[r]);
-      macc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(sum[r][0], sum[r][1]), sub.d, acc[r]);
+      macc[r] = _mm512_fmadd_ps(sub.m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
     }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -266,7 +268,7 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, co
 template <int64_t F, typename T>
 void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
-  const int64_t nb = k / kBlock, tile_bytes = kTile * nb * kvtop_quant::group_bytes(F);
+  const int64_t nb = k / kBlock, tile_bytes = kTile * (nb / kvtop_quant::group_blocks(F)) * kvtop_quant::group_bytes(F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * tile_bytes;
     const float* bt = bias ? bias + t * kTile : nullptr;
@@ -276,7 +278,7 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
       if constexpr (F == kQ8_0)
         q8_tile_rows<T, R>(x, k, tile, nb, bt, yt, n);
       else
-        q4_tile_rows<F, T, R>(x, k, xsum, tile, nb, bt, yt, n);
+        q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
     };
     switch (m) {
       case 1: run(std::integral_constant<int, 1>{}); break;
@@ -304,7 +306,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX-512 with BF16");
   TORCH_CHECK(!x.is_cuda() && gemv_takes(x, format), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
   const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
-  TORCH_CHECK(k % kBlock == 0 && packed.size(1) == nb * kvtop_quant::group_bytes(format),
+  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
+  TORCH_CHECK(k % group_values == 0 && packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
               "quant_packed_gemv: x's K does not match the weight's");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -334,6 +337,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   };
   if (format == kQ8_0)
     by_output(std::integral_constant<int64_t, kQ8_0>{});
+  else if (format == kQ4_K)
+    by_output(std::integral_constant<int64_t, kQ4_K>{});
   else if (format == kQ4_1)
     by_output(std::integral_constant<int64_t, kQ4_1>{});
   else
@@ -346,12 +351,40 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
 // holding W[col, k] — the reference's values (mul then add; Q4_0's d * (q - 8); Q8_0's d * q), zero
 // past N — for quant_gemm.cpp's panels (fp32 rows past the decode rows, and bf16 ones without AMX).
 // A tile's 16 columns are a 16-lane segment of every panel row: no transpose.
-void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out) {
+namespace {
 #ifdef KVTOP_QUANT_PACKED
-  const int64_t nb = k / kBlock, bytes = kvtop_quant::group_bytes(format), scales = scale_bytes(format);
-  const __m512 values = nibble_values();
+template <int64_t F>
+void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* seg) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t b = 0; b < nb; ++b) {
+    const Sub sub = packed_sub<F>(w, t, b, nb);
+    float* rows = seg + b * kBlock * width;
+    if constexpr (F == kQ8_0) {
+      for (int r = 0; r < 16; ++r) {  // row r: (column, parity) for columns 0..7, then 8..15
+        const uint8_t* q = sub.values + 32 * r;
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+        _mm512_storeu_ps(rows + (2 * r) * width, _mm512_mul_ps(sub.d, _mm512_permutex2var_ps(lo, even, hi)));
+        _mm512_storeu_ps(rows + (2 * r + 1) * width, _mm512_mul_ps(sub.d, _mm512_permutex2var_ps(lo, odd, hi)));
+      }
+    } else {
+      for (int g = 0; g < 4; ++g)
+        for (int i = 0; i < 8; ++i)
+          _mm512_storeu_ps(rows + (8 * g + i) * width, q4_weight<F>(sub, q4_values(sub.values, g, i)));
+    }
+  }
+}
+#endif
+}  // namespace
+
+// Columns [p * width, p * width + width) of a packed weight as fp32 panel rows: out [K, width], row k
+// holding W[col, k] — the reference's values (mul then add; Q4_0's d * (q - 8); Q8_0's d * q), zero
+// past N — for quant_gemm.cpp's panels (fp32 rows past the decode rows, and bf16 ones without AMX).
+// A tile's 16 columns are a 16-lane segment of every panel row: no transpose.
+void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out) {
+#ifdef KVTOP_QUANT_PACKED
+  const int64_t nb = k / kBlock;
   for (int64_t i = 0; i < width / kTile; ++i) {
     const int64_t t = p * (width / kTile) + i;
     float* seg = out + i * kTile;
@@ -359,32 +392,11 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
       for (int64_t row = 0; row < k; ++row) _mm512_storeu_ps(seg + row * width, _mm512_setzero_ps());
       continue;
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tb = w + (t * nb + b) * kTile * bytes;
-      float* rows = seg + b * kBlock * width;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
-      if (format == kQ8_0) {
-        for (int r = 0; r < 16; ++r) {  // row r: (column, parity) for columns 0..7, then 8..15
-          const uint8_t* q = tb + 32 + 32 * r;
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-          const __m512 hi =
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-          _mm512_storeu_ps(rows + (2 * r) * width, _mm512_mul_ps(d, _mm512_permutex2var_ps(lo, even, hi)));
-          _mm512_storeu_ps(rows + (2 * r + 1) * width, _mm512_mul_ps(d, _mm512_permutex2var_ps(lo, odd, hi)));
-        }
-        continue;
-      }
-      const __m512 m = format == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)))
-                                       : _mm512_setzero_ps();
-      for (int g = 0; g < 4; ++g) {
-        const __m512i group = _mm512_loadu_si512(tb + scales + 64 * g);
-        for (int j = 0; j < 8; ++j) {
-          const __m512 q = _mm512_permutexvar_ps(_mm512_srli_epi32(group, static_cast<unsigned>(4 * j)), values);
-          const __m512 v = format == kQ4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q), m)
-                                           : _mm512_mul_ps(d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
-          _mm512_storeu_ps(rows + (8 * g + j) * width, v);
-        }
-      }
+    switch (format) {
+      case kQ8_0: panel_rows<kQ8_0>(w, t, nb, width, seg); break;
+      case kQ4_K: panel_rows<kQ4_K>(w, t, nb, width, seg); break;
+      case kQ4_1: panel_rows<kQ4_1>(w, t, nb, width, seg); break;
+      default: panel_rows<kQ4_0>(w, t, nb, width, seg); break;
     }
   }
 #else

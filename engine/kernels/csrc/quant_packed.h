@@ -1,0 +1,103 @@
+// The packed layout of GGUF weights (quant_packed.cpp says why and how it is multiplied): what every
+// kernel that reads it shares — quant_packed.cpp's decode kernel and fp32 panels, amx_linear.cpp's
+// tiles. A packed weight keeps the file's [N, row bytes] shape and bytes; rows 16t .. 16t + 15 (tile
+// t) hold, for each of the file's groups along K in turn, 16 × the group's bytes:
+//   Q4_0, Q4_1 (group: 32 values): d[16] fp16, (Q4_1: m[16] fp16), then the nibbles;
+//   Q4_K (group: 256 values in 8 sub-blocks of 32): d[16] fp16, dmin[16] fp16, the 12 bytes of 6-bit
+//     scales and mins as 12 rows of 16 (row r's byte c: column c's byte r), then 8 × 256 bytes of
+//     nibbles, sub-block j's at 256 + 256 j;
+//   nibbles of a sub-block: 4 groups of 64 bytes, group g's dword c holding column c's elements
+//     8g .. 8g + 7, element 8g + i in bits 4i .. 4i + 3;
+//   Q8_0 (group: 32 values): d[16] fp16, then 16 rows of 32 bytes, row r's byte 2c + e column c's
+//     element 2r + e.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows: vcvtneps2bf16
+#define KVTOP_QUANT_PACKED 1
+#endif
+
+namespace kvtop_packed {
+
+constexpr int64_t kTile = 16;  // columns per tile: one fp32 register's lanes
+
+// The formats packed.
+inline bool packable_format(int64_t format) {
+  return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ4_K ||
+         format == kvtop_quant::kQ8_0;
+}
+
+// Bytes before a Q4_0/Q4_1 group's nibbles: d[16], and m[16] for Q4_1.
+constexpr int64_t q4_scale_bytes(int64_t format) { return format == kvtop_quant::kQ4_1 ? 64 : 32; }
+
+#ifdef KVTOP_QUANT_PACKED
+// The floats 0..15, which vpermps indexes with a dword's low 4 bits.
+inline __m512 nibble_values() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// A sub-block of 32 K values of a tile's 16 columns: where its values are, and w = d * q + m per
+// column (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up to rounding; its de-quantization
+// computes the latter).
+struct Sub {
+  const uint8_t* values;
+  __m512 d, m;
+};
+
+inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// Column c's 6-bit scale and min of Q4_K sub-block j, 16 columns at once (gguf's Q4_K.get_scale_min).
+inline void q4k_scales(const uint8_t* rows, int64_t j, __m512i& sc, __m512i& mn) {
+  auto row = [&](int64_t r) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16 * r))); };
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+  if (j < 4) {
+    sc = _mm512_and_si512(row(j), low6);
+    mn = _mm512_and_si512(row(j + 4), low6);
+  } else {
+    const __m512i both = row(j + 4);
+    sc = _mm512_or_si512(_mm512_and_si512(both, low4), _mm512_slli_epi32(_mm512_srli_epi32(row(j - 4), 6), 4));
+    mn = _mm512_or_si512(_mm512_srli_epi32(both, 4), _mm512_slli_epi32(_mm512_srli_epi32(row(j), 6), 4));
+  }
+}
+
+// Sub-block b (of the row's nb) of tile t of packed weight w in format F.
+template <int64_t F>
+inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
+  constexpr int64_t kG = kvtop_quant::group_blocks(F);
+  const int64_t group_bytes = kTile * kvtop_quant::group_bytes(F);
+  const uint8_t* g = w + (t * (nb / kG) + b / kG) * group_bytes;
+  if constexpr (F == kvtop_quant::kQ4_K) {
+    const int64_t j = b % kG;
+    __m512i sc, mn;
+    q4k_scales(g + 64, j, sc, mn);
+    const __m512 d = _mm512_mul_ps(halves16(g), _mm512_cvtepi32_ps(sc));
+    const __m512 min = _mm512_mul_ps(halves16(g + 32), _mm512_cvtepi32_ps(mn));
+    const __m512 m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), _mm512_set1_epi32(INT32_MIN)));  // -min
+    return {g + 256 + 256 * j, d, m};
+  } else if constexpr (F == kvtop_quant::kQ8_0) {
+    return {g + 32, halves16(g), _mm512_setzero_ps()};
+  } else {
+    const __m512 d = halves16(g);
+    const __m512 m = F == kvtop_quant::kQ4_1 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    return {g + q4_scale_bytes(F), d, m};
+  }
+}
+
+// Element 8g + i of a Q4 sub-block for its 16 columns, as floats 0..15.
+inline __m512 q4_values(const uint8_t* values, int g, int i) {
+  const __m512i group = _mm512_loadu_si512(values + 64 * g);
+  return _mm512_permutexvar_ps(i == 0 ? group : _mm512_srli_epi32(group, static_cast<unsigned>(4 * i)), nibble_values());
+}
+
+// The reference's value of q for a sub-block (Q4_0: d * (q - 8), mul then add for the others: the
+// including file compiles with fp-contract off).
+template <int64_t F>
+inline __m512 q4_weight(const Sub& s, __m512 q) {
+  if constexpr (F == kvtop_quant::kQ4_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
+  return _mm512_add_ps(_mm512_mul_ps(s.d, q), s.m);
+}
+#endif
+
+}  // namespace kvtop_packed
