@@ -1,6 +1,6 @@
 """GGUF weights kept quantized against our de-quantized bf16 and fp32, and llama.cpp on the same file.
 
-    .venv/bin/python benchmarks/quant.py                          # SmolLM2 Q4_1: 1 and 64 sequences
+    .venv/bin/python benchmarks/quant.py                          # SmolLM2 Q4_1: 1 and 64 sequences, all engines
     .venv/bin/python benchmarks/quant.py --sequences 1 --rounds 3 # runs alternated, best and median
     .venv/bin/python benchmarks/quant.py --engines quant,bf16     # a subset
     .venv/bin/python benchmarks/random_gguf.py --shape llama3-8b --out /tmp/llama3-8b-q4_k_m.gguf
@@ -10,15 +10,17 @@
 Each engine runs in its own process, one at a time (two OpenMP processes on 2 cores ruin each
 other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
 generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
-  quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head)
+  quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head),
+            fp32 activations; where the CPU has AVX-512 with BF16 the blocks are repacked at load into
+            tiles of 16 columns (the same bytes: csrc/quant_packed.cpp) that decode multiplies in fp32
   quant-bf16  the same blocks in a bf16 model (`dtype="bfloat16"`): bf16 activations; on AMX, prefill and
-            batched decode multiply bf16 tiles de-quantized a group at a time
+            batched decode multiply bf16 tiles read out of the packed blocks
   bf16      ours, the same file de-quantized to bf16 (`quantization="none"`)
   fp32      ours, de-quantized to fp32
   llamacpp  llama.cpp through node-llama-cpp 3.21.1 from npm (a prebuilt llama.cpp; installed once
             under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1` there), CPU, 2 threads
 Reported: output tokens per second of wall time (prompt processing included), best and median over
-`--rounds`, and each engine's ratio to `quant`. Only meaningful on a quiet machine (load < 1.5).
+`--rounds`, and the first engine's ratio to each other one (best to best). Only meaningful on a quiet machine (load < 1.5).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def child(engine: str, args: argparse.Namespace, n: int) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="quant,bf16,fp32,llamacpp")
+    ap.add_argument("--engines", default="quant-bf16,quant,bf16,fp32,llamacpp")
     ap.add_argument("--model", default="smollm2-135m", help="a known name or a .gguf file")
     ap.add_argument("--kv-cache-memory", help="ours: the KV cache's size (default 256MiB, 1GiB past 8 sequences)")
     ap.add_argument("--sequences", default="1,64", help="comma-separated sequence counts")
@@ -171,12 +173,13 @@ def main() -> None:
                     rates[engine].append(result["tokens"] / result["seconds"])
                     info[engine] = result
         print(f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s:")
-        base = max(rates.get("quant") or [0.0]) or None
+        first = engines[0]  # the ratios: the first engine named against each other one, best against best
+        base = max(rates[first] or [0.0]) or None
         for engine in engines:
             if not rates[engine]:
                 continue
             best, median = max(rates[engine]), statistics.median(rates[engine])
-            ratio = f"quant / {engine} = {base / best:.2f}x" if base and engine != "quant" else ""
+            ratio = f"{first} / {engine} = {base / best:.2f}x" if base and engine != first else ""
             weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
             print(f"  {engine:9s} best {best:8.2f}  median {median:8.2f}   weights {weights:40s} {ratio}")
             if "kv" in info[engine]:

@@ -7,7 +7,9 @@ benchmarks/quant.py on a busy machine).
     .venv/bin/python benchmarks/quant_linear.py --formats Q4_1 --rows 1 --threads 1
 
 "Q4_1 AMX" is the same blocks with bf16 activations on AMX (csrc/amx_linear.cpp's amx_quant_linear),
-where the CPU has it. GB/s is the weights' bytes (as each path holds them) over the time: a decode step streams them once.
+where the CPU has it; "Q4_1 packed" the blocks repacked at load (csrc/quant_packed.cpp, where the
+CPU has AVX-512 with BF16) with fp32 activations, "Q4_1 packed bf16" with bf16 ones (up to 4 rows the
+packed decode kernel, above it AMX tiles read from the packed blocks, or fp32 panels). GB/s is the weights' bytes (as each path holds them) over the time: a decode step streams them once.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ from benchmarks.linear import SHAPES, amx_linear_for, best, bf16_gemm_for, fp32_
 from engine.kernels import cpu
 from engine.model.packed_linear import _pack_tiles
 from engine.model.panel_linear import pack_panels
+from engine.model.quant_linear import PACKED_OFFSET, packed_kernel_available
 
 
 def quant_fn(fmt: GGMLQuantizationType, name: str):
     n = SHAPES[name][0]
     return lambda x, w: torch.ops.kvtop_cpu.quant_linear(x, w, int(fmt), n, None)
+
+
+def packed_fn(fmt: GGMLQuantizationType, name: str):
+    n = SHAPES[name][0]
+    return lambda x, w: torch.ops.kvtop_cpu.quant_linear(x, w, int(fmt) + PACKED_OFFSET, n, None)
 
 
 def quant_amx_fn(fmt: GGMLQuantizationType, name: str):
@@ -66,6 +74,12 @@ def main() -> None:
         paths[name] = (blocks, lambda n, fmt=fmt: quant_fn(fmt, n), torch.float32)
         if amx:  # bf16 activations: the blocks de-quantized a group at a time into AMX tiles
             paths[f"{name} AMX"] = (blocks, lambda n, fmt=fmt: quant_amx_fn(fmt, n), torch.bfloat16)
+        if packed_kernel_available():  # the same bytes in the decode kernel's tiles
+            packed = {
+                n: [torch.ops.kvtop_cpu.quant_pack(b, int(fmt), b.shape[0]) for b in bs] for n, bs in blocks.items()
+            }
+            paths[f"{name} packed"] = (packed, lambda n, fmt=fmt: packed_fn(fmt, n), torch.float32)
+            paths[f"{name} packed bf16"] = (packed, lambda n, fmt=fmt: packed_fn(fmt, n), torch.bfloat16)
     print(f"{torch.get_num_threads()} threads; SmolLM2-135M's linears; ms per pass (GB/s of the weights as held)")
     print(f"{'rows':>6} " + " ".join(f"{p:>18}" for p in paths))
     for rows in (int(r) for r in args.rows.split(",")):
