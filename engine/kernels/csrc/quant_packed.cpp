@@ -1,4 +1,4 @@
-// GGUF Q4_0, Q4_1 and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
+// GGUF Q4_0, Q4_1, Q4_K and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
 // columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
 //
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
@@ -23,9 +23,9 @@
 // A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
 // pairs, of an AMX B tile (amx_linear.cpp): both read the packed weight without a transpose.
 //
-// Every other use of a packed weight (more rows on a CPU without AMX, the reference) unpacks it to
-// the file's layout first (quant_unpack, a copy of the weight's bytes); quant_linear (quant_gemm.cpp)
-// routes a packed format (its ggml type + kPackedFormat) here or there.
+// quant_linear (quant_gemm.cpp) routes a packed format (its ggml type + kPackedFormat) here (up to 4
+// rows), to AMX (more bf16 rows) or to the panels (the rest); only the reference unpacks it to the
+// file's layout (quant_unpack, a copy of the weight's bytes).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -83,8 +83,9 @@ inline void set_file_nibble(int64_t format, uint8_t* qs, int j, int k, uint8_t v
     qs[k % 16] |= static_cast<uint8_t>(v << (k < 16 ? 0 : 4));
 }
 
-// A group's layout in the tile: bytes of 16 columns' scales (copied 2 bytes a column from the file's
-// offset `at` to the tile's `to`), where the file's values start, where sub-block j's nibbles start.
+// A group's layout: its fp16 fields per column (16 columns' worth each at the tile's start, 2 bytes
+// each at the file group's), the file group's bytes before its values, where sub-block j's nibbles
+// start in the tile.
 struct GroupLayout {
   int scales;  // fp16 fields per column: d (and m or dmin)
   int head;    // the file group's bytes before its values
@@ -100,11 +101,6 @@ inline GroupLayout group_layout(int64_t format) {
 // Where Q8_0 element k of column c sits in a tile block's values.
 inline int q8_place(int c, int k) { return 32 * (k / 2) + 2 * c + (k & 1); }
 
-// Where element k of column c sits in a tile block's nibbles: the byte, and whether the high half.
-inline void packed_place(int c, int k, int& byte, bool& high) {
-  byte = 64 * (k / 8) + 4 * c + (k % 8) / 2;
-  high = k & 1;
-}
 
 // Copies one tile group between the file's layout (blk[c]: column c's group) and the packed one
 // (tile), either way: to_tile true packs, false unpacks (the destination's nibbles zeroed first).
@@ -135,17 +131,18 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
       }
       continue;
     }
-    for (int j = 0; j < subs; ++j)
-      for (int k = 0; k < kBlock; ++k) {
-        int byte;
-        bool high;
-        packed_place(c, k, byte, high);
-        uint8_t* a = tile + L.nibbles(j) + byte;
-        if (to_tile)
-          *a |= static_cast<uint8_t>(file_nibble(format, qs, j, k) << (high ? 4 : 0));
-        else
-          set_file_nibble(format, qs, j, k, high ? *a >> 4 : *a & 0x0F);
+    for (int j = 0; j < subs; ++j) {
+      uint8_t* dwords = tile + L.nibbles(j) + 4 * c;  // group g's dword c at 64 g: elements 8g .. 8g + 7
+      for (int i = 0; i < 16; ++i) {                 // byte i of the four: elements 2i, 2i + 1
+        uint8_t& byte = dwords[64 * (i / 4) + i % 4];
+        if (to_tile) {
+          byte = static_cast<uint8_t>(file_nibble(format, qs, j, 2 * i) | file_nibble(format, qs, j, 2 * i + 1) << 4);
+        } else {
+          set_file_nibble(format, qs, j, 2 * i, byte & 0x0F);
+          set_file_nibble(format, qs, j, 2 * i + 1, byte >> 4);
+        }
       }
+    }
   }
 }
 
