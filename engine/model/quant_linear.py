@@ -9,7 +9,7 @@ for a few rows (decode, where the weights' bytes set the time), and from `gemv_r
 once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
-On a CPU with AVX-512 (and BF16), Q4_0, Q4_1, Q4_K and Q8_0 weights are repacked at load
+On a CPU with AVX-512 (and BF16), Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are repacked at load
 (`pack_for_decode`: the same bytes, tiles of 16 columns; csrc/quant_packed.cpp): one to four rows
 multiply 16 columns per FMA, each block's scale applied once per tile; more rows read AMX tiles or
 fp32 panels straight out of the tiles.
@@ -61,6 +61,7 @@ PACKED_FORMATS = (  # what quant_pack repacks
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0,
 )
 PACKED_OFFSET = 100  # a packed weight's kernel format: its ggml type + this (quant_blocks.h's kPackedFormat)
@@ -133,7 +134,7 @@ class QuantLinear(nn.Module):
 
 
 def pack_for_decode(net: nn.Module) -> int:
-    """Repack a model's Q4_0/Q4_1/Q4_K/Q8_0 QuantLinears (its layers' and its logits head's; an
+    """Repack a model's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 QuantLinears (its layers' and its logits head's; an
     embedding tied to a Q8_0 head reads the packed blocks) where the packed kernel is built; returns
     how many were packed."""
     if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():

@@ -347,8 +347,8 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
 
 // Group g's tiles, as dequant_group makes them, from a weight packed for decode (quant_packed.h): a
 // packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
-// 2r + 1: for Q4 (Q4_0, Q4_1, Q4_K) the values quant_packed.cpp's kernel reads (q4_values), scaled as
-// the reference does (q4_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
+// 2r + 1: for Q4_0, Q4_1, Q4_K and Q6_K the values quant_packed.cpp's kernel reads, scaled as the
+// reference does (packed_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
 // itself, times d. No transpose.
 template <int64_t F>
 void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
@@ -377,9 +377,8 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
         }
       } else {
         for (int r = 0; r < 16; ++r) {
-          const int group = r / 4, i = 2 * (r % 4);
-          const __m512 even = kvtop_packed::q4_weight<F>(sub, kvtop_packed::q4_values(sub.values, group, i));
-          const __m512 odd = kvtop_packed::q4_weight<F>(sub, kvtop_packed::q4_values(sub.values, group, i + 1));
+          const __m512 even = kvtop_packed::packed_weight<F>(sub, 2 * r);
+          const __m512 odd = kvtop_packed::packed_weight<F>(sub, 2 * r + 1);
           const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
           _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
         }
@@ -403,7 +402,7 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
   kvtop_quant::check_blocks(blocks, file_format, n, k, "amx_quant_linear");
   TORCH_CHECK(!packed || (kvtop_packed::packable_format(file_format) && n % kvtop_packed::kTile == 0),
-              "amx_quant_linear: only Q4_0, Q4_1, Q4_K and Q8_0 weights of 16k columns are packed");
+              "amx_quant_linear: only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -436,12 +435,10 @@ at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64
         const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
         for (int64_t g = g0; g < g1; ++g) {
           uint16_t* group_tiles = tiles.data() + (g - g0) * kbs * 2 * kTileElems;
-          if constexpr (F != kvtop_quant::kQ6_K) {
-            if (packed) dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
-            else dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
-          } else {
+          if (packed)
+            dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
+          else
             dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
-          }
         }
         for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
           run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g0, g1,

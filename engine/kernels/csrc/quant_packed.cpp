@@ -49,6 +49,7 @@ using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
 using kvtop_quant::kQ4_K;
+using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
 
 bool supported() {
@@ -62,7 +63,7 @@ bool supported() {
 namespace {
 
 void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const char* op) {
-  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q4_K and Q8_0 weights are packed, not ggml type ",
+  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are packed, not ggml type ",
               format);
   TORCH_CHECK(n % kTile == 0, op, ": N must be a multiple of ", kTile);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) == n,
@@ -102,9 +103,47 @@ inline GroupLayout group_layout(int64_t format) {
 inline int q8_place(int c, int k) { return 32 * (k / 2) + 2 * c + (k & 1); }
 
 
+// Q6_K element e (0..255) of a file group: its ql byte and shift, its qh byte and shift (gguf's
+// layout: values 128h .. 128h + 127 take ql[64h ..] and qh[32h ..]; the t-th 32 of them ql's low (t < 2)
+// or high halves of bytes 64h + 32 (t & 1) .., and bits 2t of qh[32h + l]).
+inline void q6k_place(int e, int& ql, int& ql_shift, int& qh, int& qh_shift) {
+  const int h = e / 128, t = (e % 128) / 32, l = e % 32;
+  ql = 64 * h + 32 * (t & 1) + l, ql_shift = t >= 2 ? 4 : 0;
+  qh = 128 + 32 * h + l, qh_shift = 2 * t;
+}
+
+// Copies one Q6_K tile group either way (to_tile: pack; else unpack into zeroed values).
+void copy_q6k_group(uint8_t* tile, uint8_t* const blk[kTile], bool to_tile) {
+  if (to_tile)
+    std::memset(tile + 288, 0, 8 * 384);
+  else
+    for (int c = 0; c < kTile; ++c) std::memset(blk[c], 0, 192);
+  for (int c = 0; c < kTile; ++c) {
+    uint8_t* file = blk[c];
+    to_tile ? std::memcpy(tile + 2 * c, file + 208, 2) : std::memcpy(file + 208, tile + 2 * c, 2);  // d
+    for (int r = 0; r < 16; ++r) to_tile ? (tile[32 + 16 * r + c] = file[192 + r]) : (file[192 + r] = tile[32 + 16 * r + c]);
+    for (int e = 0; e < 256; ++e) {
+      int ql, ql_shift, qh, qh_shift;
+      q6k_place(e, ql, ql_shift, qh, qh_shift);
+      const int j = e / 32, k = e % 32;
+      uint8_t* low = tile + 288 + 384 * j + 64 * (k / 8) + 4 * c + (k % 8) / 2;  // as Q4's nibbles
+      uint8_t* high = tile + 288 + 384 * j + 256 + 64 * (k / 16) + 4 * c + (k % 16) / 4;
+      const int low_shift = 4 * (k & 1), high_shift = 2 * (k % 4);
+      if (to_tile) {
+        *low |= static_cast<uint8_t>(((file[ql] >> ql_shift) & 0x0F) << low_shift);
+        *high |= static_cast<uint8_t>(((file[qh] >> qh_shift) & 0x03) << high_shift);
+      } else {
+        file[ql] |= static_cast<uint8_t>(((*low >> low_shift) & 0x0F) << ql_shift);
+        file[qh] |= static_cast<uint8_t>(((*high >> high_shift) & 0x03) << qh_shift);
+      }
+    }
+  }
+}
+
 // Copies one tile group between the file's layout (blk[c]: column c's group) and the packed one
 // (tile), either way: to_tile true packs, false unpacks (the destination's nibbles zeroed first).
 void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool to_tile) {
+  if (format == kQ6_K) return copy_q6k_group(tile, blk, to_tile);
   const GroupLayout L = group_layout(format);
   const int64_t bytes = kvtop_quant::group_bytes(format), values = bytes - L.head;
   const int subs = static_cast<int>(kvtop_quant::group_blocks(format));
@@ -200,6 +239,22 @@ void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w
     const Sub sub = packed_sub<F>(w, t, b, nb);
     __m512 sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+    if constexpr (F == kQ6_K) {  // a scale per 16 values: a sum per half, q signed (no offset term)
+      auto half = [&](auto h) {  // h a constant: the sums stay in registers
+        constexpr int H = decltype(h)::value;
+#pragma GCC unroll 16
+        for (int e = 16 * H; e < 16 * H + 16; ++e) {
+          const __m512 q = packed_q<F>(sub, e);
+          for (int r = 0; r < R; ++r)
+            sum[r][H] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[r * k + b * kBlock + e]), sum[r][H]);
+        }
+      };
+      half(std::integral_constant<int, 0>{});
+      half(std::integral_constant<int, 1>{});
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(sum[r][1], sub.d2, _mm512_fmadd_ps(sum[r][0], sub.d, acc[r]));
+      continue;
+    }
     for (int g = 0; g < 4; ++g) {
       const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
 #pragma GCC unroll 8
@@ -336,6 +391,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
     by_output(std::integral_constant<int64_t, kQ8_0>{});
   else if (format == kQ4_K)
     by_output(std::integral_constant<int64_t, kQ4_K>{});
+  else if (format == kQ6_K)
+    by_output(std::integral_constant<int64_t, kQ6_K>{});
   else if (format == kQ4_1)
     by_output(std::integral_constant<int64_t, kQ4_1>{});
   else
@@ -368,7 +425,7 @@ void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* s
     } else {
       for (int g = 0; g < 4; ++g)
         for (int i = 0; i < 8; ++i)
-          _mm512_storeu_ps(rows + (8 * g + i) * width, q4_weight<F>(sub, q4_values(sub.values, g, i)));
+          _mm512_storeu_ps(rows + (8 * g + i) * width, packed_weight<F>(sub, 8 * g + i));
     }
   }
 }
@@ -392,6 +449,7 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
     switch (format) {
       case kQ8_0: panel_rows<kQ8_0>(w, t, nb, width, seg); break;
       case kQ4_K: panel_rows<kQ4_K>(w, t, nb, width, seg); break;
+      case kQ6_K: panel_rows<kQ6_K>(w, t, nb, width, seg); break;
       case kQ4_1: panel_rows<kQ4_1>(w, t, nb, width, seg); break;
       default: panel_rows<kQ4_0>(w, t, nb, width, seg); break;
     }

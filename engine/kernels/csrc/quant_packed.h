@@ -8,6 +8,10 @@
 //     nibbles, sub-block j's at 256 + 256 j;
 //   nibbles of a sub-block: 4 groups of 64 bytes, group g's dword c holding column c's elements
 //     8g .. 8g + 7, element 8g + i in bits 4i .. 4i + 3;
+//   Q6_K (group: 256 values in 8 sub-blocks of 32, a scale per 16): d[16] fp16, the 16 int8 scales as
+//     16 rows of 16 columns, then per sub-block j at 288 + 384 j: the low 4 bits of its values as Q4's
+//     nibbles (256 bytes), then their high 2 bits (128 bytes: 2 groups of 64, group h's dword c
+//     holding column c's elements 16h .. 16h + 15, element 16h + i in bits 2i .. 2i + 1);
 //   Q8_0 (group: 32 values): d[16] fp16, then 16 rows of 32 bytes, row r's byte 2c + e column c's
 //     element 2r + e.
 #pragma once
@@ -28,7 +32,7 @@ constexpr int64_t kTile = 16;  // columns per tile: one fp32 register's lanes
 // The formats packed.
 inline bool packable_format(int64_t format) {
   return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ4_K ||
-         format == kvtop_quant::kQ8_0;
+         format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0;
 }
 
 // Bytes before a Q4_0/Q4_1 group's nibbles: d[16], and m[16] for Q4_1.
@@ -40,10 +44,10 @@ inline __m512 nibble_values() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8,
 
 // A sub-block of 32 K values of a tile's 16 columns: where its values are, and w = d * q + m per
 // column (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up to rounding; its de-quantization
-// computes the latter).
+// computes the latter; Q6_K: w = d * q for the first 16 values, d2 * q for the last 16, q signed).
 struct Sub {
   const uint8_t* values;
-  __m512 d, m;
+  __m512 d, m, d2;
 };
 
 inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -68,20 +72,29 @@ inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
   constexpr int64_t kG = kvtop_quant::group_blocks(F);
   const int64_t group_bytes = kTile * kvtop_quant::group_bytes(F);
   const uint8_t* g = w + (t * (nb / kG) + b / kG) * group_bytes;
-  if constexpr (F == kvtop_quant::kQ4_K) {
+  if constexpr (F == kvtop_quant::kQ6_K) {  // the reference's (d * scale) for each half
+    const int64_t j = b % kG;
+    const __m512 d = halves16(g);
+    auto scale = [&](int64_t r) {
+      return _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32 + 16 * r)))));
+    };
+    return {g + 288 + 384 * j, scale(2 * j), _mm512_setzero_ps(), scale(2 * j + 1)};
+  } else if constexpr (F == kvtop_quant::kQ4_K) {
     const int64_t j = b % kG;
     __m512i sc, mn;
     q4k_scales(g + 64, j, sc, mn);
     const __m512 d = _mm512_mul_ps(halves16(g), _mm512_cvtepi32_ps(sc));
     const __m512 min = _mm512_mul_ps(halves16(g + 32), _mm512_cvtepi32_ps(mn));
     const __m512 m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), _mm512_set1_epi32(INT32_MIN)));  // -min
-    return {g + 256 + 256 * j, d, m};
+    return {g + 256 + 256 * j, d, m, d};
   } else if constexpr (F == kvtop_quant::kQ8_0) {
-    return {g + 32, halves16(g), _mm512_setzero_ps()};
+    const __m512 d = halves16(g);
+    return {g + 32, d, _mm512_setzero_ps(), d};
   } else {
     const __m512 d = halves16(g);
     const __m512 m = F == kvtop_quant::kQ4_1 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    return {g + q4_scale_bytes(F), d, m};
+    return {g + q4_scale_bytes(F), d, m, d};
   }
 }
 
@@ -91,11 +104,25 @@ inline __m512 q4_values(const uint8_t* values, int g, int i) {
   return _mm512_permutexvar_ps(i == 0 ? group : _mm512_srli_epi32(group, static_cast<unsigned>(4 * i)), nibble_values());
 }
 
-// The reference's value of q for a sub-block (Q4_0: d * (q - 8), mul then add for the others: the
-// including file compiles with fp-contract off).
+// Element k (0..31) of a Q4 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q6_K's
+// q - 32 (its low 4 bits as Q4's, plus 16 * its high 2 bits - 32 through a table indexed by 2 bits).
 template <int64_t F>
-inline __m512 q4_weight(const Sub& s, __m512 q) {
+inline __m512 packed_q(const Sub& s, int k) {
+  const __m512 low = q4_values(s.values, k / 8, k % 8);
+  if constexpr (F != kvtop_quant::kQ6_K) return low;
+  const __m512 high_values = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16);
+  const __m512i group = _mm512_loadu_si512(s.values + 256 + 64 * (k / 16));
+  const __m512i bits = _mm512_srli_epi32(group, static_cast<unsigned>(2 * (k % 16)));
+  return _mm512_add_ps(low, _mm512_permutexvar_ps(bits, high_values));
+}
+
+// The reference's value of element k for the 16 columns (Q4_0: d * (q - 8); Q6_K: (d * scale) * q;
+// mul then add for the others: the including file compiles with fp-contract off).
+template <int64_t F>
+inline __m512 packed_weight(const Sub& s, int k) {
+  const __m512 q = packed_q<F>(s, k);
   if constexpr (F == kvtop_quant::kQ4_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
+  if constexpr (F == kvtop_quant::kQ6_K) return _mm512_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm512_add_ps(_mm512_mul_ps(s.d, q), s.m);
 }
 #endif
