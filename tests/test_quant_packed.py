@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1 and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the same bytes in
+"""Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the same bytes in
 tiles of 16 columns, which one to four rows multiply with the columns in a register's lanes; AMX
 reads the tiles without unpacking them, and everything else unpacks them to the file's layout.
 Without AVX-512 (with BF16) nothing is packed and the ops refuse in one line (the AVX2 build's run

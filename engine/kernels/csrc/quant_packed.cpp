@@ -1,4 +1,4 @@
-// GGUF Q4_0, Q4_1, Q4_K and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
+// GGUF Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
 // columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
 //
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
@@ -16,7 +16,8 @@
 //     c's elements 8g .. 8g + 7, a nibble each. `vpermps` reads only an index's low 4 bits, so the
 //     dwords shifted right by 4j index a table of the floats 0..15 straight to the 16 columns'
 //     element 8g + j: a shift and a permute per FMA, no mask, no conversion. The scales (Q4_K's
-//     6-bit scales and mins, 16 columns a row) come out once per sub-block as 16 lanes.
+//     6-bit scales and mins, 16 columns a row) come out once per sub-block as 16 lanes. Q6_K's low 4
+//     bits are laid out so too, its high 2 bits beside them (a second table lookup and an add).
 //   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row's halves widened
 //     to 16 lanes of (column, parity) are multiplied by the broadcast pair (x[2r], x[2r + 1]) — one FMA
 //     for 8 columns' two K values; the pairs are summed at the tile's end.
