@@ -165,6 +165,7 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
             log(
                 f"int8 weights: {', '.join(kept[:4])}{' …' if len(kept) > 4 else ''} kept as loaded (K not a multiple of 32)"
             )
+        pack_for_decode(net)  # its Q8_0 blocks in the decode kernel's tiles, as a GGUF's
         return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, resident_bytes(net), 0, weights_format(net))
     pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
     copy = second_copy_bytes(net)
