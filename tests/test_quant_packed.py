@@ -1,8 +1,8 @@
-"""Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the same bytes in
-tiles of 16 columns, which one to four rows multiply with the columns in a register's lanes; AMX
-reads the tiles without unpacking them, and everything else unpacks them to the file's layout.
-Without AVX-512 (with BF16) nothing is packed and the ops refuse in one line (the AVX2 build's run
-checks that)."""
+"""Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the
+same bytes in tiles of 16 columns, which one to four rows multiply with the columns in a register's
+lanes; AMX tiles and fp32 panels for more rows are read out of them, and only the reference unpacks
+them to the file's layout. Without AVX-512 (with BF16) nothing is packed and the ops refuse in one
+line (the AVX2 build's run checks that)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ SHAPES = [(16, 32), (48, 96), (576, 160), (192, 576), (576, 1536)]
 
 
 def layer_pair(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> tuple[QuantLinear, QuantLinear]:
-    """The same blocks twice (K rounded up to Q4_K's 256), in the file's layout and packed."""
+    """The same blocks twice (K rounded up to the K formats' 256), in the file's layout and packed."""
     k = whole_blocks(fmt, k)
     blocks = random_blocks(fmt, n, k, seed).view(n, -1)
     plain, packed = QuantLinear(blocks.clone(), fmt, k), QuantLinear(blocks.clone(), fmt, k)
@@ -49,7 +49,6 @@ def layer_pair(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> tuple[Qu
 def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt, shape):
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=n + k)
-    k = plain.in_features
     assert packed.packed and packed.blocks.shape == plain.blocks.shape  # resident bytes: the file's
     assert not torch.equal(packed.blocks, plain.blocks)
     assert torch.equal(packed.file_blocks(), plain.blocks)
