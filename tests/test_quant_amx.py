@@ -68,7 +68,7 @@ def test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kern
 @needs_amx
 def test_smollm2_in_bf16_keeps_the_blocks_and_answers_as_the_dequantized_bf16_model(smollm2_dir):
     """The GGUF's blocks in a bf16 model (prefill on AMX tiles, decode on the blocks) against the same
-    file de-quantized to bf16: 62 of 64 prompts' 32 greedy tokens equal on the AMX Xeon; the issue's
+    file de-quantized to bf16: 63 of 64 prompts' 32 greedy tokens equal on the AMX Xeon; the issue's
     bar for the quantized path, 60."""
     ours = LLM("smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False,
                quantization="auto", quiet=True)  # fmt: skip
