@@ -178,7 +178,10 @@ def test_fused_decode_runs_the_packed_layers_bit_for_bit_as_the_python_loop(monk
     assert (tokens, logprobs) == (ref_tokens, ref_logprobs)
 
 
-@pytest.mark.skipif(PACKED or not kernel_available(), reason="AVX512-BF16 here: the tests above run")
+@pytest.mark.skipif(
+    PACKED or not kernel_available(),
+    reason="this CPU packs (AVX-512 with BF16): the refusal runs on CPUs without it and in the AVX2 build's run",
+)
 def test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse():
     fmt = GGMLQuantizationType.Q4_1
     layer = QuantLinear(random_blocks(fmt, 32, 64, seed=2).view(32, -1), fmt, 64)

@@ -352,8 +352,6 @@ void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, in
 // itself, times d. No transpose.
 template <int64_t F>
 void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
-  const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
   for (int h = 0; h < 2; ++h) {
@@ -366,12 +364,11 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
       }
       const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
       if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
-        const __m512 d0 = _mm512_permutexvar_ps(pairs_lo, sub.d), d1 = _mm512_permutexvar_ps(pairs_hi, sub.d);
+        __m512 d0, d1;
+        kvtop_packed::column_pairs(sub.d, d0, d1);
         for (int r = 0; r < 16; ++r) {
-          const uint8_t* q = sub.values + 32 * r;
-          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-          const __m512 q1 =
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+          __m512 q0, q1;
+          kvtop_packed::q8_row(sub.values, r, q0, q1);
           _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                                      _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
         }

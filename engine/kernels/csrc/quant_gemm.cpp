@@ -63,7 +63,7 @@ at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int
 
 namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1/Q8_0 repacked for decode
 bool supported();
-bool gemv_takes(const at::Tensor& x, int64_t format);
+bool gemv_takes(const at::Tensor& x);
 void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
@@ -289,7 +289,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   static const bool tiles = kvtop_amx::quant_tiles_supported();
   if (format >= kPackedFormat) {
     const int64_t file_format = format - kPackedFormat;
-    if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x, file_format))
+    if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x))
       return kvtop_packed::gemv(x, blocks, file_format, n, bias);
     if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
     return quant_gemm(x.to(at::kFloat), blocks, format, n, bias).to(x.scalar_type());

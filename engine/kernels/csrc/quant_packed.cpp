@@ -278,21 +278,17 @@ void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w
 // fp32) at stride ldy. Lanes are (column, parity) for columns 0..7 (lo) and 8..15 (hi), summed in
 // pairs at the end.
 template <typename T, int R>
-void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, const float* bias, T* y, int64_t ldy) {
-  const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+void q8_tile_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_t nb, const float* bias, T* y,
+                  int64_t ldy) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tb = tile + b * kTile * 34;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+    const Sub sub = packed_sub<kQ8_0>(w, t, b, nb);
     __m512 sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
     for (int row = 0; row < 16; ++row) {
-      const uint8_t* q = tb + 32 + 32 * row;
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-      const __m512 hi =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      __m512 lo, hi;
+      q8_row(sub.values, row, lo, hi);
       for (int r = 0; r < R; ++r) {
         double pair;  // x[2 row], x[2 row + 1], broadcast as one 64-bit lane
         std::memcpy(&pair, x + r * k + b * kBlock + 2 * row, 8);
@@ -301,7 +297,8 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, co
         sum[r][1] = _mm512_fmadd_ps(hi, xp, sum[r][1]);
       }
     }
-    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    __m512 d_lo, d_hi;
+    column_pairs(sub.d, d_lo, d_hi);
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(sum[r][0], d_lo, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(sum[r][1], d_hi, acc[r][1]);
@@ -321,15 +318,14 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* tile, int64_t nb, co
 template <int64_t F, typename T>
 void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
-  const int64_t nb = k / kBlock, tile_bytes = kTile * (nb / kvtop_quant::group_blocks(F)) * kvtop_quant::group_bytes(F);
+  const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * tile_bytes;
     const float* bt = bias ? bias + t * kTile : nullptr;
     T* yt = y + t * kTile;
     auto run = [&](auto rows) {
       constexpr int R = decltype(rows)::value;
       if constexpr (F == kQ8_0)
-        q8_tile_rows<T, R>(x, k, tile, nb, bt, yt, n);
+        q8_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
       else
         q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
     };
@@ -346,8 +342,7 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
 #endif
 
 // Whether gemv takes these rows: up to 4, bf16 or fp32.
-bool gemv_takes(const at::Tensor& x, int64_t format) {
-  (void)format;
+bool gemv_takes(const at::Tensor& x) {
   return supported() && x.dim() == 2 && x.size(0) <= 4 &&
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
 }
@@ -357,7 +352,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
                 const std::optional<at::Tensor>& bias) {
   check_packable(packed, format, n, "quant_packed_gemv");
   TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX-512 with BF16");
-  TORCH_CHECK(!x.is_cuda() && gemv_takes(x, format), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
   const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
   const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
   TORCH_CHECK(k % group_values == 0 && packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
@@ -370,8 +365,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   if (m == 0) return y;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<float> xsum(m * nb);  // Q4's offset term: the per-block sums of x, once per call
-  for (int64_t i = 0; i < m * nb; ++i)
+  // the offset term's per-block sums of x, once per call (Q8_0 and Q6_K have none)
+  std::vector<float> xsum(format == kQ8_0 || format == kQ6_K ? 0 : m * nb);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i)
     xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xp + i * kBlock), _mm512_loadu_ps(xp + i * kBlock + 16)));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -416,10 +412,9 @@ void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* s
     const Sub sub = packed_sub<F>(w, t, b, nb);
     float* rows = seg + b * kBlock * width;
     if constexpr (F == kQ8_0) {
-      for (int r = 0; r < 16; ++r) {  // row r: (column, parity) for columns 0..7, then 8..15
-        const uint8_t* q = sub.values + 32 * r;
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      for (int r = 0; r < 16; ++r) {  // row r's (column, parity) lanes: even and odd into rows 2r, 2r + 1
+        __m512 lo, hi;
+        q8_row(sub.values, r, lo, hi);
         _mm512_storeu_ps(rows + (2 * r) * width, _mm512_mul_ps(sub.d, _mm512_permutex2var_ps(lo, even, hi)));
         _mm512_storeu_ps(rows + (2 * r + 1) * width, _mm512_mul_ps(sub.d, _mm512_permutex2var_ps(lo, odd, hi)));
       }

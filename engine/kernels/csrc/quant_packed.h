@@ -104,6 +104,21 @@ inline __m512 q4_values(const uint8_t* values, int g, int i) {
   return _mm512_permutexvar_ps(i == 0 ? group : _mm512_srli_epi32(group, static_cast<unsigned>(4 * i)), nibble_values());
 }
 
+// Row r of a Q8_0 sub-block widened to floats: lanes (column c, parity e) = element 2r + e of column
+// c, for columns 0..7 (lo) and 8..15 (hi).
+inline void q8_row(const uint8_t* values, int r, __m512& lo, __m512& hi) {
+  const uint8_t* q = values + 32 * r;
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+}
+
+// A per-column vector in q8_row's lanes: each column's value twice, columns 0..7 (lo) and 8..15 (hi).
+inline void column_pairs(__m512 v, __m512& lo, __m512& hi) {
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  lo = _mm512_permutexvar_ps(pairs, v);
+  hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
+}
+
 // Element k (0..31) of a Q4 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q6_K's
 // q - 32 (its low 4 bits as Q4's, plus 16 * its high 2 bits - 32 through a table indexed by 2 bits).
 template <int64_t F>
