@@ -15,6 +15,7 @@ from engine.kernels import cpu
 from engine.model.quant_linear import (
     PACKED_FORMATS,
     QuantEmbedding,
+    QuantGateUp,
     QuantLinear,
     gemv_rows,
     kernel_available,
@@ -110,7 +111,44 @@ def test_more_rows_get_what_the_files_layout_gives_bit_for_bit(fmt):
         assert torch.equal(packed(x), plain(x))
 
 
-def tiny_net(head_fmt: GGMLQuantizationType, *layers: QuantLinear) -> torch.nn.Module:
+@needs_packed
+@pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
+def test_a_gate_up_packed_in_tile_pairs_gives_the_dense_order_and_silu_and_mul_bit_for_bit(fmt):
+    """An MLP's gate/up (I = 48: three tiles of gate, three of up) with its tiles in gate/up pairs:
+    forward is the packed layer's output in the dense [gate, up] order, and silu_and_mul the cpu
+    kernels' SiLU-and-mul of it, exactly — decode rows through the tile pairs, more bf16 rows from
+    AMX's epilogue where the CPU has it (300 rows: the prefill slabs) — the same bytes held."""
+    inter, k = 48, 160
+    plain, packed = layer_pair(fmt, 2 * inter, k, seed=7)
+    packed.bias = plain.bias = torch.randn(2 * inter)
+    gate_up = QuantGateUp.from_linear(plain)
+    assert gate_up.packed and gate_up.blocks.shape == plain.blocks.shape
+    assert torch.equal(gate_up.dense_weight(), plain.dense_weight())
+    for rows in (1, GEMV_ROWS, GEMV_ROWS + 1, 17, 64, 300):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, plain.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            dense = packed(x)
+            assert torch.equal(gate_up(x), dense)
+            assert torch.equal(gate_up.silu_and_mul(x, cpu), cpu.silu_and_mul(dense))
+
+
+@needs_packed
+def test_a_layers_gate_up_is_packed_in_tile_pairs_where_its_halves_are_whole_tiles():
+    def layer(inter: int) -> torch.nn.Module:
+        fmt = GGMLQuantizationType.Q4_1
+        block = torch.nn.Module()
+        block.gate_up_proj = QuantLinear(random_blocks(fmt, 2 * inter, 64, seed=inter).view(2 * inter, -1), fmt, 64)
+        return block
+
+    paired, odd = layer(32), layer(24)  # I = 24: a tile would hold gate and up columns
+    dense = paired.gate_up_proj.dense_weight()
+    net = tiny_net(GGMLQuantizationType.Q8_0, paired, odd)
+    assert pack_for_decode(net) == 3
+    assert isinstance(paired.gate_up_proj, QuantGateUp) and torch.equal(paired.gate_up_proj.dense_weight(), dense)
+    assert type(odd.gate_up_proj) is QuantLinear and odd.gate_up_proj.packed
+
+
+def tiny_net(head_fmt: GGMLQuantizationType, *layers: torch.nn.Module) -> torch.nn.Module:
     """What pack_for_decode walks: decoder layers, a logits head and the embedding tied to it."""
     net = torch.nn.Module()
     net.layers = torch.nn.ModuleList(layers)
@@ -151,6 +189,7 @@ def test_smollm2_in_bf16_packs_its_layers_and_head_and_answers_as_the_dequantize
     ours = load("auto")
     layers = [m for m in ours.engine.model.layers.modules() if isinstance(m, QuantLinear)]
     assert all(m.packed for m in layers) and len(layers) == 4 * 30 and ours.engine.model.logits_head.packed
+    assert all(isinstance(layer.gate_up_proj, QuantGateUp) for layer in ours.engine.model.layers)
     monkeypatch.setenv("KVTOP_QUANT_PACK", "0")
     unpacked = load("auto")
     assert ours.stats()["memory"]["weights"] == unpacked.stats()["memory"]["weights"]
@@ -164,8 +203,9 @@ def test_smollm2_in_bf16_packs_its_layers_and_head_and_answers_as_the_dequantize
 @pytest.mark.slow
 @needs_packed
 def test_fused_decode_runs_the_packed_layers_bit_for_bit_as_the_python_loop(monkeypatch):
-    """decode_layers' quantized kind passes the packed format to the layers' own op: the same tokens
-    and log-probs as the Python loop, every decode-only step fused."""
+    """decode_layers' quantized kinds pass the packed format to the layers' own ops (a gate/up in tile
+    pairs: quant_gate_up's SiLU-and-mul): the same tokens and log-probs as the Python loop, every
+    decode-only step fused."""
     from tests.helpers import random_prompts
     from tests.test_decode_layers import PARAMS, _run
 

@@ -20,12 +20,13 @@ from engine.kernels.attention import AttentionBatch
 from engine.kv.cache import KVLayer
 from engine.model import packed_linear as pl
 from engine.model.panel_linear import PanelGateUp, PanelLinear
-from engine.model.quant_linear import QuantLinear
+from engine.model.quant_linear import QuantGateUp, QuantLinear
 from engine.runtime.knobs import knob
 
 ENV = "KVTOP_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANT_KIND = 1000  # decode_layers.cpp's kQuantKind: a QuantLinear's kind is this + its kernel format
+QUANT_GATE_UP_KIND = 2000  # its kQuantGateUpKind: a QuantGateUp's (SiLU-and-mul on its tile pairs)
 
 
 def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -44,6 +45,8 @@ def _kind(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
         return 2, module.weight, module.bias
     if type(module) is nn.Linear:
         return 3, module.weight, module.bias
+    if isinstance(module, QuantGateUp):
+        return QUANT_GATE_UP_KIND + module.kernel_format, module.blocks, module.bias
     if isinstance(module, QuantLinear) and module.use_kernel:  # quant_linear on its GGUF blocks
         return QUANT_KIND + module.kernel_format, module.blocks, module.bias
     return None

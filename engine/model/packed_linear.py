@@ -135,8 +135,8 @@ class AMXLinear(nn.Module):
         return _unpack_tiles(self.weight, self.out_features, self.in_features)
 
 
-def _gate_up_order(out_features: int) -> torch.Tensor:
-    """Row order of a gate/up weight [2I, K] for amx_gate_up: 16 gate rows, the same 16 up rows, ..."""
+def gate_up_order(out_features: int) -> torch.Tensor:
+    """Row order of a gate/up weight [2I, K] for amx_gate_up (and QuantGateUp): 16 gate rows, the same 16 up rows, ..."""
     blocks = torch.arange(out_features).view(2, -1, 16)  # [gate/up, I/16, 16]
     return blocks.transpose(0, 1).reshape(-1)
 
@@ -155,7 +155,7 @@ class AMXGateUp(AMXLinear):
         return weight.shape[0] % 32 == 0
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, large: bool = False) -> None:
-        order = _gate_up_order(weight.shape[0])
+        order = gate_up_order(weight.shape[0])
         self.inter = weight.shape[0] // 2
         super().__init__(weight[order], None if bias is None else bias[order])
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -171,7 +171,7 @@ class AMXGateUp(AMXLinear):
 
     def dense_weight(self) -> torch.Tensor:
         interleaved = super().dense_weight()
-        return interleaved[torch.argsort(_gate_up_order(self.out_features))]
+        return interleaved[torch.argsort(gate_up_order(self.out_features))]
 
 
 class TiledEmbedding(nn.Module):

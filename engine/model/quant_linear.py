@@ -29,6 +29,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
 from engine.kernels import cpu
+from engine.model.packed_linear import gate_up_order
 from engine.runtime.knobs import knob
 
 # the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K)
@@ -133,15 +134,56 @@ class QuantLinear(nn.Module):
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+class QuantGateUp(QuantLinear):
+    """An MLP's gate/up projection [2I, K] packed with gate and up tiles in turn (tile 2g: gate rows
+    16g .. 16g + 15, tile 2g + 1: the same up rows), so that `silu_and_mul(x)` never writes the
+    [rows, 2I] output: on AMX it comes from the tiles' epilogue, otherwise from one pass over the tile
+    pairs (csrc/quant_gemm.cpp's quant_gate_up). `forward` gives the dense [gate, up] order, bit for
+    bit QuantLinear's on the same blocks; `silu_and_mul` is `kernels.silu_and_mul(forward(x))`, bit
+    for bit. Made from a packable QuantLinear whose I is a multiple of 16 (`fits`)."""
+
+    @staticmethod
+    def fits(linear: nn.Module) -> bool:
+        return type(linear) is QuantLinear and linear.packable() and linear.out_features % (2 * PACKED_TILE) == 0
+
+    @classmethod
+    def from_linear(cls, linear: QuantLinear) -> QuantGateUp:
+        order = gate_up_order(linear.out_features)
+        bias = None if linear.bias is None else linear.bias[order]
+        gate_up = cls(linear.file_blocks()[order], linear.fmt, linear.in_features, bias)
+        gate_up.pack()
+        return gate_up
+
+    @property
+    def inter(self) -> int:
+        return self.out_features // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvtop_cpu.quant_gate_up(x, self.blocks, self.kernel_format, self.inter, self.bias, False)
+
+    def silu_and_mul(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        """`kernels.silu_and_mul(self(x))`; without the [rows, 2I] output where that is the cpu kernels' op."""
+        if kernels is not cpu:
+            return kernels.silu_and_mul(self(x))
+        return torch.ops.kvtop_cpu.quant_gate_up(x, self.blocks, self.kernel_format, self.inter, self.bias, True)
+
+    def dense_weight(self) -> torch.Tensor:
+        return super().dense_weight()[torch.argsort(gate_up_order(self.out_features))]
+
+
 def pack_for_decode(net: nn.Module) -> int:
     """Repack a model's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 QuantLinears (its layers' and its logits head's; an
-    embedding tied to a Q8_0 head reads the packed blocks) where the packed kernel is built; returns
-    how many were packed."""
+    embedding tied to a Q8_0 head reads the packed blocks; an MLP's gate/up becomes a QuantGateUp)
+    where the packed kernel is built; returns how many were packed."""
     if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():
         return 0
     packed = 0
+    for layer in net.layers:
+        if QuantGateUp.fits(getattr(layer, "gate_up_proj", None)):
+            layer.gate_up_proj = QuantGateUp.from_linear(layer.gate_up_proj)
+            packed += 1
     for module in net.layers.modules():
-        if isinstance(module, QuantLinear) and module.packable():
+        if isinstance(module, QuantLinear) and not module.packed and module.packable():
             module.pack()
             packed += 1
     head, embed = net.logits_head, net.embed_tokens

@@ -14,9 +14,11 @@
 // to bf16 once (nearest even), with the bias added in fp32 first. The order of the sums differs from
 // oneDNN's, so results differ from F.linear by at most the last bf16 bit or so (tests/test_packed_linear.py).
 //
-// GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear): a bf16 model's rows past the
-// decode rows, multiplied by tiles de-quantized one group of 32 columns at a time into a thread's
-// buffer in this same layout (csrc/quant_blocks.h reads the blocks), then by run_groups as above.
+// GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear and quant_gate_up): a bf16 model's
+// rows past the decode rows, multiplied by tiles de-quantized a group of 32 columns at a time into
+// this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — a run of groups in a
+// thread's buffer for a decode step's rows, a slab shared by the threads for prefill's — then by
+// run_groups as above, with amx_gate_up's epilogues for a gate/up weight packed in tile pairs.
 //
 // The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
 // on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
@@ -390,61 +392,91 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
 // its tiles are de-quantized into the thread's buffer (the bf16 weight's tiles, value for value) and
 // multiplied by every row as amx_linear multiplies them, so the results are amx_linear's on the
 // de-quantized weight in bf16, bit for bit; the weight is never held de-quantized beyond one group.
-at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
-                            const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_supported(), "amx_quant_linear: this CPU or kernel does not allow AMX");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda(), "amx_quant_linear: bfloat16 x on the CPU expected");
+// `kind` as amx_linear's run: kGateUp and kSiluMul take a packed weight whose tiles are gate and up
+// columns in turn (quant_linear.py's QuantGateUp), n = 2I.
+at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                       const std::optional<at::Tensor>& bias, Epilogue kind, const char* name) {
+  TORCH_CHECK(amx_supported(), name, ": this CPU or kernel does not allow AMX");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda(), name, ": bfloat16 x on the CPU expected");
   const int64_t k = x.size(-1);
-  const bool packed = format >= kvtop_quant::kPackedFormat;  // quant_packed.cpp's tiles of Q4_0 / Q4_1
+  const bool packed = format >= kvtop_quant::kPackedFormat;  // quant_packed.cpp's tiles of 16 columns
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
-  kvtop_quant::check_blocks(blocks, file_format, n, k, "amx_quant_linear");
+  kvtop_quant::check_blocks(blocks, file_format, n, k, name);
   TORCH_CHECK(!packed || (kvtop_packed::packable_format(file_format) && n % kvtop_packed::kTile == 0),
-              "amx_quant_linear: only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
+              name, ": only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
+  TORCH_CHECK(kind == Epilogue::kPlain || (packed && n % kGroupN == 0), name, ": a packed gate/up weight of 32k rows expected");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
+  out_shape.back() = kind == Epilogue::kSiluMul ? n / 2 : n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
   const at::Tensor a = tile_rows(x2, k);
-  const std::optional<at::Tensor> b32 = fp32_bias(bias, n, "amx_quant_linear");
+  const std::optional<at::Tensor> b32 = fp32_bias(bias, n, name);
 #if defined(KVTOP_AMX) && defined(KVTOP_QUANT_GEMM)
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0);
-  // A task de-quantizes a run of groups (up to ~512 KiB of tiles; the runs a multiple of the threads)
-  // and multiplies every 256-row block by them in turn, so each block's rows are read once per run
-  // rather than once per group: at 2,048 rows of SmolLM2's gate/up, one group at a time read x's
-  // 2.4 MB 96 times and ran at 0.7x amx_linear on the same weight in bf16.
-  const int64_t group_bytes = kbs * 2 * kTileElems * 2, threads = at::get_num_threads();
-  const int64_t fit = std::max<int64_t>(1, (512 << 10) / group_bytes);
-  int64_t per_task = (groups + threads - 1) / threads;  // one run a thread, or as many as fit in 512 KiB
-  for (int64_t runs = 2; per_task > fit; ++runs) per_task = (groups + runs * threads - 1) / (runs * threads);
-  const int64_t tasks = (groups + per_task - 1) / per_task;
+  const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0), group_elems = kbs * 2 * kTileElems;
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
-    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-      thread_local std::vector<uint16_t> tiles;
-      tiles.resize(per_task * kbs * 2 * kTileElems);
-      for (int64_t task = t0; task < t1; ++task) {
-        const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
-        for (int64_t g = g0; g < g1; ++g) {
-          uint16_t* group_tiles = tiles.data() + (g - g0) * kbs * 2 * kTileElems;
-          if (packed)
-            dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
-          else
-            dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
+    auto dequant = [&](int64_t g, uint16_t* group_tiles) {
+      if (packed)
+        dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
+      else
+        dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
+    };
+    if (m <= kBlockM) {
+      // One M block (a decode step's rows): a task de-quantizes a run of groups into its thread's
+      // buffer (up to ~512 KiB, the runs a multiple of the threads) and multiplies the rows by them
+      // while they are in L2. (De-quantizing the next group in the tiles' shadow, as the epilogue
+      // runs there, measured no faster on the Xeon: 64 rows of SmolLM2's gate/up, 302 against 296 us.)
+      const int64_t threads = at::get_num_threads(), fit = std::max<int64_t>(1, (512 << 10) / (group_elems * 2));
+      int64_t per_task = (groups + threads - 1) / threads;
+      for (int64_t runs = 2; per_task > fit; ++runs) per_task = (groups + runs * threads - 1) / (runs * threads);
+      at::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
+        thread_local std::vector<uint16_t> tiles;
+        tiles.resize(per_task * group_elems);
+        for (int64_t task = t0; task < t1; ++task) {
+          const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+          for (int64_t g = g0; g < g1; ++g) dequant(g, tiles.data() + (g - g0) * group_elems);
+          run_groups(ap, a_stride, 0, m, tiles.data(), kbs, bp, n, op, g0, g1, kind);
         }
-        for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
-          run_groups(ap, a_stride, m0, std::min(m, m0 + kBlockM), tiles.data(), kbs, bp, n, op, g0, g1,
-                     Epilogue::kPlain);
-      }
-    });
+      });
+      return;
+    }
+    // Many rows (prefill): the threads de-quantize a slab of groups (~4 MiB of tiles) together, then
+    // multiply it as amx_linear multiplies a weight, tasks M-block major, so that each thread's rows
+    // stay in L2 while the slab's tiles stream past. Runs per thread (above) read every row once per
+    // run: SmolLM2's linears at 2,048 rows took 1.17-1.20x amx_linear's time on the weights in bf16,
+    // slabs 1.04-1.08x (the de-quantization, once per call).
+    const int64_t slab = std::max<int64_t>(1, (4 << 20) / (group_elems * 2)), blocks = (m + kBlockM - 1) / kBlockM;
+    static thread_local std::vector<uint16_t> callers;  // the calling thread's, reused: no page faults a call
+    callers.resize(std::min(slab, groups) * group_elems);
+    uint16_t* const tiles = callers.data();  // (a worker naming `callers` would get its own)
+    for (int64_t s0 = 0; s0 < groups; s0 += slab) {
+      const int64_t count = std::min(slab, groups - s0);
+      at::parallel_for(0, count, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) dequant(s0 + g, tiles + g * group_elems);
+      });
+      at::parallel_for(0, blocks * count, 1, [&](int64_t t0, int64_t t1) {
+        while (t0 < t1) {
+          const int64_t mb = t0 / count, g0 = t0 % count, g1 = std::min(count, g0 + (t1 - t0));
+          run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), tiles + g0 * group_elems, kbs, bp, n,
+                     op, s0 + g0, s0 + g1, kind);
+          t0 += g1 - g0;
+        }
+      });
+    }
   });
 #endif
   return out;
+}
+
+at::Tensor amx_quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                            const std::optional<at::Tensor>& bias) {
+  return quant_tiles(x, blocks, format, n, bias, Epilogue::kPlain, "amx_quant_linear");
 }
 
 }  // namespace
@@ -461,6 +493,13 @@ bool quant_tiles_supported() {
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                               const std::optional<at::Tensor>& bias) {
   return amx_quant_linear(x, blocks, format, n, bias);
+}
+
+// A packed gate/up weight whose tiles are gate and up columns in turn, 2 * inter columns: the dense
+// [gate, up] order, or SiLU-and-mul's [..., inter] from the tiles' epilogue (silu), as amx_gate_up.
+at::Tensor quant_tiles_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t inter,
+                               const std::optional<at::Tensor>& bias, bool silu) {
+  return quant_tiles(x, blocks, format, 2 * inter, bias, silu ? Epilogue::kSiluMul : Epilogue::kGateUp, "quant_gate_up");
 }
 }  // namespace kvtop_amx
 

@@ -16,7 +16,8 @@
 //   3 nn.Linear (at::linear), 4 AMXGateUp (gate/up only: amx_gate_up, SiLU-and-mul in its epilogue),
 //   5 PanelLinear in bf16 (bf16_gemm on the bf16 panel layout, an fp32 bias),
 //   6 PanelGateUp (gate/up only: fp32_gate_up_silu on the fp32 panels, SiLU-and-mul in its epilogue),
-//   1000 + a ggml type: QuantLinear of engine/model/quant_linear.py (quant_linear on GGUF blocks of that type).
+//   1000 + a ggml type: QuantLinear of engine/model/quant_linear.py (quant_linear on GGUF blocks of that type),
+//   2000 + a packed ggml type: QuantGateUp (gate/up only: quant_gate_up, SiLU-and-mul on the tile pairs).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,7 +30,8 @@
 namespace {
 
 constexpr int64_t kPerLayer = 4;     // projections per layer: qkv, o, gate_up, down
-constexpr int64_t kQuantKind = 1000;  // a QuantLinear's kind: this + its ggml type
+constexpr int64_t kQuantKind = 1000;        // a QuantLinear's kind: this + its ggml type
+constexpr int64_t kQuantGateUpKind = 2000;  // a QuantGateUp's: this + its (packed) kernel format
 
 c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -82,6 +84,11 @@ struct Ops {
       quant = op("kvtop_cpu::quant_linear")
                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                     const std::optional<at::Tensor>&)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                      const std::optional<at::Tensor>&, bool)>
+      quant_gate_up = op("kvtop_cpu::quant_gate_up")
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                            const std::optional<at::Tensor>&, bool)>();
 };
 
 const Ops& ops() {
@@ -112,7 +119,7 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const 
     case 3: return at::linear(x, w, bias);
     case 5: return ops().bf16.call(x, w, bias, n);
     default:
-      TORCH_CHECK(kind > kQuantKind, "decode_layers: unknown linear kind ", kind);
+      TORCH_CHECK(kind > kQuantKind && kind < kQuantGateUpKind, "decode_layers: unknown linear kind ", kind);
       return ops().quant.call(x, w, kind - kQuantKind, n, bias);
   }
 }
@@ -158,9 +165,11 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
                               .to(q.scalar_type());
   h = o.add_norm.call(proj(1, attn.reshape({n, q_size})), residual, norms[2 * i + 1], s.eps);
-  // the gate/up kinds with SiLU-and-mul in their epilogue: AMXGateUp's and PanelGateUp's silu_and_mul
+  // the gate/up kinds with SiLU-and-mul in their epilogue: AMXGateUp's, PanelGateUp's and QuantGateUp's silu_and_mul
   if (kinds[p + 2] == 4) return proj(3, o.gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2, true));
   if (kinds[p + 2] == 6) return proj(3, o.fp32_gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2));
+  if (kinds[p + 2] > kQuantGateUpKind)
+    return proj(3, o.quant_gate_up.call(h, weights[p + 2], kinds[p + 2] - kQuantGateUpKind, out[2] / 2, biases.get(p + 2), true));
   return proj(3, o.silu_mul.call(proj(2, h)));
 }
 

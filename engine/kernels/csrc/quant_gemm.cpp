@@ -59,6 +59,8 @@ namespace kvtop_amx {  // csrc/amx_linear.cpp: many bf16 rows on AMX tiles de-qu
 bool quant_tiles_supported();
 at::Tensor quant_tiles_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                               const std::optional<at::Tensor>& bias);
+at::Tensor quant_tiles_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t inter,
+                               const std::optional<at::Tensor>& bias, bool silu);
 }  // namespace kvtop_amx
 
 namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1/Q8_0 repacked for decode
@@ -67,6 +69,7 @@ bool gemv_takes(const at::Tensor& x);
 void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
+at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu);
 }  // namespace kvtop_packed
 
 namespace {
@@ -302,6 +305,25 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   return y.to(x.scalar_type());
 }
 
+// An MLP's gate/up projection, its packed weight holding gate and up tiles in turn (2 * inter columns:
+// engine/model/quant_linear.py's QuantGateUp; the bias, if any, in that order): silu false, the
+// [..., 2 * inter] output in the dense order (gate, then up), quant_linear's values on the weight as
+// the file holds it; silu true, silu_and_mul of that, [..., inter], bit for bit. Many bf16 rows on
+// AMX run SiLU-and-mul in the tiles' epilogue (the 2 * inter columns never stored); any other rows
+// through quant_linear, then SiLU-and-mul over the tile pairs.
+at::Tensor quant_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t inter,
+                         const std::optional<at::Tensor>& bias, bool silu) {
+  static const bool tiles = kvtop_amx::quant_tiles_supported();
+  TORCH_CHECK(format >= kPackedFormat && inter % 16 == 0, "quant_gate_up: a packed weight of gate/up tile pairs expected");
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  const at::Tensor y = tiles && x2.scalar_type() == at::kBFloat16 && x2.size(0) > kGemvRows
+                           ? kvtop_amx::quant_tiles_gate_up(x2, blocks, format, inter, bias, silu)
+                           : kvtop_packed::gate_up_tiles(quant_linear(x2, blocks, format, 2 * inter, bias), inter, silu);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = y.size(1);
+  return y.view(shape);
+}
+
 int64_t quant_gemv_rows() { return kGemvRows; }
 
 }  // namespace
@@ -312,4 +334,5 @@ TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_gemm(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_gemm);
   m.def("quant_linear(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_linear);
   m.def("quant_gemv_rows() -> int", &quant_gemv_rows);
+  m.def("quant_gate_up(Tensor x, Tensor blocks, int format, int inter, Tensor? bias, bool silu) -> Tensor", &quant_gate_up);
 }

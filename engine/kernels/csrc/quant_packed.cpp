@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_simd.h"
 #include "quant_blocks.h"
 #include "quant_packed.h"
 
@@ -454,6 +455,50 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
   (void)w, (void)format, (void)p, (void)n, (void)k, (void)width, (void)out;
   TORCH_CHECK(false, "quant_packed: this build has no AVX-512 with BF16");
 #endif
+}
+
+// The output of a gate/up weight packed with gate and up tiles alternating (quant_linear.py's
+// QuantGateUp: columns 32g .. 32g + 15 are gate columns 16g .. 16g + 15, the next 16 the same up
+// columns), y [M, 2I] float32 or bfloat16: silu false, the dense [gate, up] order [M, 2I]; silu true,
+// SiLU-and-mul [M, I] — fused_ops.cpp's silu_and_mul on the dense order, bit for bit (bf16_simd.h's
+// silu_mul16, which the AMX epilogue runs too).
+at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu) {
+  TORCH_CHECK(y.dim() == 2 && y.size(1) == 2 * inter && inter % kTile == 0 && y.is_contiguous() &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "quant_gate_up: a contiguous [M, 2I] float32 or bfloat16 output of 16k-column tiles expected");
+  const int64_t m = y.size(0), width = silu ? inter : 2 * inter;
+  at::Tensor out = at::empty({m, width}, y.options());
+#ifdef KVTOP_QUANT_PACKED
+  auto rows = [&](auto* yp, auto* op, auto load, auto store, auto round_silu) {
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const auto* src = yp + r * 2 * inter;
+        auto* dst = op + r * width;
+        for (int64_t g = 0; g < inter / kTile; ++g) {
+          const auto* gate = src + 2 * kTile * g;
+          if (silu) {
+            store(dst + kTile * g, kvtop_simd::silu_mul16<decltype(round_silu)::value>(load(gate), load(gate + kTile)));
+          } else {
+            std::memcpy(dst + kTile * g, gate, kTile * sizeof(*gate));
+            std::memcpy(dst + inter + kTile * g, gate + kTile, kTile * sizeof(*gate));
+          }
+        }
+      }
+    });
+  };
+  if (y.scalar_type() == at::kFloat) {
+    rows(y.data_ptr<float>(), out.data_ptr<float>(), [](const float* p) { return _mm512_loadu_ps(p); },
+         [](float* p, __m512 v) { _mm512_storeu_ps(p, v); }, std::false_type{});
+  } else {  // torch's bf16 silu is a bf16 tensor of its own: rounded before the product
+    rows(reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+         [](const uint16_t* p) { return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); },
+         [](uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvtop_simd::bf16_pack(v)); },
+         std::true_type{});
+  }
+#else
+  TORCH_CHECK(false, "quant_gate_up: this build has no AVX-512 with BF16");
+#endif
+  return out;
 }
 
 }  // namespace kvtop_packed
