@@ -164,7 +164,7 @@ def test_the_layers_and_a_q8_0_head_are_packed_and_the_tied_embedding_reads_the_
 
     q4, q8, odd = layer(GGMLQuantizationType.Q4_1, 32), layer(GGMLQuantizationType.Q8_0, 32), layer(Q4_0, 24)
     net = tiny_net(GGMLQuantizationType.Q8_0, q4, q8, odd)
-    ids = torch.tensor([[0, 17, 63], [5, 5, 40]])
+    ids = torch.cat([torch.tensor([0, 17, 63, 5, 5, 40]), torch.arange(64)]).view(2, -1)  # every column of every tile
     before = net.embed_tokens(ids)
     assert pack_for_decode(net) == 3  # q4, q8 and the head; N = 24 is not whole tiles
     assert q4.packed and q8.packed and not odd.packed and net.logits_head.packed

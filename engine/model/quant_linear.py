@@ -235,17 +235,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        blocks = self._packed_rows(flat) if self.packed else self.blocks[flat]
-        rows = dequantize(blocks, self.fmt, self.embedding_dim)
+        if self.packed:  # the head's tiles (csrc/quant_packed.cpp): the same values, no gather in Python
+            rows = torch.ops.kvtop_cpu.quant_packed_rows(self.blocks, flat, self.num_embeddings)
+        else:
+            rows = dequantize(self.blocks[flat], self.fmt, self.embedding_dim)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
-
-    def _packed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of packed Q8_0 blocks in the file's layout: tile ids // 16, column c = ids % 16,
-        whose block b holds d at bytes 2c and values 2r + e at 32 + 32r + 2c + e (quant_packed.cpp)."""
-        nb, block = self.embedding_dim // 32, 34
-        tiles = self.blocks.view(-1, nb, PACKED_TILE * block)
-        k = torch.arange(32)
-        offsets = torch.cat([torch.tensor([0, 1]), 32 + 32 * (k // 2) + k % 2])  # column 0's 34 bytes
-        where = offsets + 2 * (ids % PACKED_TILE)[:, None]  # [L, 34]
-        picked = tiles[ids // PACKED_TILE].gather(2, where[:, None, :].expand(-1, nb, -1))
-        return picked.reshape(len(ids), nb * block)

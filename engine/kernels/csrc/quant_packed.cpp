@@ -32,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -217,6 +218,38 @@ at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
 // The packed weight back in the file's layout (bit for bit the blocks it was packed from).
 at::Tensor unpack(const at::Tensor& packed, int64_t format, int64_t n) {
   return repack(packed, format, n, false, "quant_unpack");
+}
+
+// Rows `ids` of a packed Q8_0 weight [N, K] de-quantized, fp32 [L, K] (d * q, as the `gguf` package
+// de-quantizes): a tied embedding's lookup in its logits head's tiles (quant_linear.py's
+// QuantEmbedding). Row n is column n % 16 of tile n / 16: per block, d at bytes 2c, element 2r + e at
+// 32 + 32r + 2c + e.
+at::Tensor packed_q8_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
+  check_packable(packed, kQ8_0, n, "quant_packed_rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_packed_rows: ids must be int64 [L]");
+  const int64_t nb = packed.size(1) / kvtop_quant::group_bytes(kQ8_0), group = kTile * kvtop_quant::group_bytes(kQ8_0);
+  const at::Tensor where = ids.contiguous();
+  const int64_t* id = where.data_ptr<int64_t>();
+  for (int64_t i = 0; i < where.size(0); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_packed_rows: id ", id[i], " is not a row of [0, ", n, ")");
+  at::Tensor out = at::empty({where.size(0), nb * kBlock}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, where.size(0), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t c = id[i] % kTile;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + (id[i] / kTile * nb + b) * group;
+        c10::Half d;
+        std::memcpy(&d, g + 2 * c, 2);
+        float* row = o + i * nb * kBlock + b * kBlock;
+        for (int r = 0; r < kBlock / 2; ++r)
+          for (int e = 0; e < 2; ++e)
+            row[2 * r + e] = static_cast<float>(d) * static_cast<float>(static_cast<int8_t>(g[32 + 32 * r + 2 * c + e]));
+      }
+    }
+  });
+  return out;
 }
 
 #ifdef KVTOP_QUANT_PACKED
@@ -507,5 +540,6 @@ TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_packed_supported() -> bool", &kvtop_packed::supported);
   m.def("quant_pack(Tensor blocks, int format, int n) -> Tensor", &kvtop_packed::pack);
   m.def("quant_unpack(Tensor packed, int format, int n) -> Tensor", &kvtop_packed::unpack);
+  m.def("quant_packed_rows(Tensor packed, Tensor ids, int n) -> Tensor", &kvtop_packed::packed_q8_rows);
   m.def("quant_packed_gemv(Tensor x, Tensor packed, int format, int n, Tensor? bias) -> Tensor", &kvtop_packed::gemv);
 }
