@@ -1,4 +1,4 @@
-"""Our engine beside its peers on this machine: vLLM's CPU build and transformers' static `generate`.
+"""Our engine beside its peers on this machine: vLLM's CPU build, transformers' static `generate`, llama.cpp.
 
     .venv/bin/python benchmarks/peers.py                      # offline: fp32 and bf16, fixed and mixed workloads
     .venv/bin/python benchmarks/peers.py --dtype float32 --workload fixed
@@ -11,6 +11,10 @@ two at once (two OpenMP processes on 2 cores ruin each other's figures), greedy,
   ours          engine.LLM, attention backend `cpu` (the C++ paged attention)
   vllm          vLLM's CPU build (`.venv-vllm`, `make vllm`), `LLM.generate` on `TokensPrompt`s
   transformers  `generate` on one left-padded static batch of all the prompts
+  llamacpp      llama.cpp's llama-server (`make llamacpp`) on the same GGUF file, its own Q4_1 weights
+                whatever the dtype: a slot per prompt, all sent at once (benchmarks/llamacpp_peer.py)
+`--quantization auto` runs ours on the file's Q4_1 blocks too (csrc/quant_packed.cpp), llama.cpp's
+like for like.
 Workloads: fixed, 64 prompts × 256 random token ids × 128 output tokens; mixed, the fixed workload of
 `throughput.py` (64 prompts of 32–512 tokens × 128 output tokens). Each engine runs a 4-prompt warm-up
 first. Reported: output tok/s (wall) and output tokens per CPU-second of the engine's process tree
@@ -34,6 +38,7 @@ model's dtype: the trade side by side, its speed in the ratios and its accuracy 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS_PY = ROOT / ".venv" / "bin" / "python"
-ENGINES = ("ours", "vllm", "transformers")
+ENGINES = ("ours", "vllm", "transformers", "llamacpp")
 AGREE_TOKENS = 16
 SERVING_LOAD = "--num-prompts 32 --input-len 256 --output-len 128 --max-concurrency 16 --seed 0"
 
@@ -99,14 +104,15 @@ def ours_generator(spec: dict):
 
     llm = LLM("smollm2-135m", dtype=spec["dtype"], kv_cache_memory=f"{spec['kv_gib']}GiB",
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), attention_backend=spec["attention_backend"],
-              enable_prefix_caching=False, quiet=True)  # fmt: skip
+              quantization=spec.get("quantization", "none"), enable_prefix_caching=False, quiet=True)  # fmt: skip
 
     def generate(prompts, out_lens):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     stats = llm.stats()
-    return generate, {"attention_backend": stats["engine"]["attention_backend"], "kv_cache_dtype": stats["kv"]["dtype"]}
+    return generate, {"attention_backend": stats["engine"]["attention_backend"], "kv_cache_dtype": stats["kv"]["dtype"],
+                      "weights": stats["memory"]["weights_format"]}  # fmt: skip
 
 
 def vllm_generator(spec: dict):
@@ -144,12 +150,29 @@ def transformers_generator(spec: dict):
     return generate, {"threads": torch.get_num_threads()}
 
 
+def llamacpp_generator(spec: dict):
+    from llamacpp_peer import complete_all, serving
+
+    from engine.model.default import KNOWN_MODELS, fetch_gguf
+
+    gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
+    loads = spec["workloads"].values()
+    slots, longest = max(len(p) for p, _ in loads), max(len(q) + max(m) for p, m in loads for q in p)
+    server = contextlib.ExitStack()  # up while `generate` holds it: until the worker exits
+    url = server.enter_context(serving(gguf, slots, longest))
+
+    def generate(prompts, out_lens, server=server):
+        return complete_all(url, prompts, out_lens)
+
+    return generate, {"weights": "the GGUF file's (Q4_1, Q8_0)"}
+
+
 def worker(kind: str, spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    generate, info = {"ours": ours_generator, "vllm": vllm_generator, "transformers": transformers_generator}[kind](
-        spec
-    )
+    generators = {"ours": ours_generator, "vllm": vllm_generator, "transformers": transformers_generator,
+                  "llamacpp": llamacpp_generator}  # fmt: skip
+    generate, info = generators[kind](spec)
     result = {"engine": kind, "dtype": spec["dtype"], "info": info, "start_s": time.perf_counter() - t0}
     timed(generate, *spec["warmup"])
     result["runs"] = {name: [] for name in spec["workloads"]}
@@ -255,6 +278,8 @@ def print_table(results: list[dict]) -> None:
 
 
 def offline(args) -> list[dict]:
+    from llamacpp_peer import llama_server  # here: a vLLM worker runs this file in vLLM's venv
+
     from engine.model.loader import resolve_model_dir
 
     model_dir = str(resolve_model_dir("smollm2-135m"))
@@ -269,10 +294,13 @@ def offline(args) -> list[dict]:
                 if kind == "vllm" and vllm_python() is None:
                     results.append({"engine": kind, "dtype": dtype, "error": "no .venv-vllm: run `make vllm`"})
                     continue
+                if kind == "llamacpp" and llama_server() is None:
+                    results.append({"engine": kind, "dtype": dtype, "error": "no llama-server: run `make llamacpp`"})
+                    continue
                 spec = {"dtype": dtype, "model_dir": model_dir, "kv_gib": args.kv_gib, "workloads": loads,
                         "warmup": (warm[0], [8] * 4), "attention_backend": args.attention_backend,
                         "enforce_eager": args.enforce_eager, "repeats": args.repeats,
-                        "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+                        "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}  # fmt: skip
                 where = f"round {rnd + 1}/{args.rounds} " if args.rounds > 1 else ""
                 what = f"{', '.join(loads)} × {args.repeats}"
                 print(f"{where}{dtype} {kind}: running ({what})…", file=sys.stderr, flush=True)
@@ -287,13 +315,14 @@ def offline(args) -> list[dict]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))  # throughput.py, llamacpp_peer.py, serving_peers.py beside this file
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
     ap.add_argument("--workload", default="fixed,mixed", help="comma-separated: fixed,mixed")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: ours,vllm,transformers")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: ours,vllm,transformers,llamacpp")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="offline: runs of each workload in each engine's process")
@@ -307,6 +336,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="cpu", help="ours: cpu (default), reference, auto")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                     help="ours: a quantized KV cache, to measure the trade (the peers keep the model's dtype)")  # fmt: skip
+    ap.add_argument("--quantization", default="none", choices=["none", "auto"],
+                    help="ours: auto keeps the GGUF's Q4_1 blocks (llama.cpp's weights), none de-quantizes")  # fmt: skip
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one engine's process")
     ap.add_argument("--serving", action="store_true", help="kvctl bench against kvctl serve, then vLLM's server")

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/quant.py --sequences 1 --rounds 3 # runs alternated, best and median
     .venv/bin/python benchmarks/quant.py --engines quant,bf16     # a subset
     .venv/bin/python benchmarks/random_gguf.py --shape llama3-8b --out /tmp/llama3-8b-q4_k_m.gguf
-    .venv/bin/python benchmarks/quant.py --model /tmp/llama3-8b-q4_k_m.gguf --engines quant,llamacpp \
+    .venv/bin/python benchmarks/quant.py --model /tmp/llama3-8b-q4_k_m.gguf --engines quant-bf16,llama-server \
         --sequences 1,16 --prompt-len 64 --max-tokens 16 --kv-cache-memory 8GiB
 
 Each engine runs in its own process, one at a time (two OpenMP processes on 2 cores ruin each
@@ -17,8 +17,12 @@ generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a s
             batched decode multiply bf16 tiles read out of the packed blocks
   bf16      ours, the same file de-quantized to bf16 (`quantization="none"`)
   fp32      ours, de-quantized to fp32
-  llamacpp  llama.cpp through node-llama-cpp 3.21.1 from npm (a prebuilt llama.cpp; installed once
-            under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1` there), CPU, 2 threads
+  llama-server  llama.cpp's own server on the same file (`make llamacpp` builds it; benchmarks/llamacpp_peer.py),
+            2 threads, a slot per sequence: every prompt sent at once as token ids, timed from the first
+            send to the last answer
+  llamacpp  llama.cpp through node-llama-cpp 3.21.1 from npm (a prebuilt llama.cpp, no build: a quick
+            look; installed once under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1`
+            there), CPU, 2 threads, one sequence at a time
 Reported: output tokens per second of wall time (prompt processing included), best and median over
 `--rounds`, and the first engine's ratio to each other one (best to best). Only meaningful on a quiet machine (load < 1.5).
 """
@@ -126,8 +130,25 @@ def run_llamacpp(model: str, n: int, prompt_len: int, max_tokens: int) -> dict |
     return {**result, "weights": gguf.stat().st_size, "format": "GGUF file"}
 
 
+def run_llama_server(model: str, n: int, prompt_len: int, max_tokens: int) -> dict | None:
+    from llamacpp_peer import MISSING, complete_all, llama_server, serving
+
+    if llama_server() is None:
+        print(f"llama-server: skipped ({MISSING})")
+        return None
+    gguf, work = gguf_path(model), prompts(n, prompt_len)
+    with serving(gguf, n, prompt_len + max_tokens) as url:
+        complete_all(url, [work[0][:16]], [4])  # warm-up
+        t0 = time.perf_counter()
+        answers = complete_all(url, work, [max_tokens] * n)
+        seconds = time.perf_counter() - t0
+    return {"tokens": sum(map(len, answers)), "seconds": seconds, "weights": gguf.stat().st_size, "format": "GGUF file"}
+
+
 def child(engine: str, args: argparse.Namespace, n: int) -> dict | None:
-    """One engine's run in a fresh process."""
+    """One engine's run in a fresh process (llama-server's: its own)."""
+    if engine == "llama-server":
+        return run_llama_server(args.model, n, args.prompt_len, args.max_tokens)
     if engine == "llamacpp":
         return run_llamacpp(args.model, n, args.prompt_len, args.max_tokens)
     cmd = [sys.executable, __file__, "--child", engine, "--model", args.model, "--sequences", str(n)]
@@ -143,7 +164,7 @@ def child(engine: str, args: argparse.Namespace, n: int) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="quant-bf16,quant,bf16,fp32,llamacpp")
+    ap.add_argument("--engines", default="quant-bf16,quant,bf16,fp32,llama-server,llamacpp")
     ap.add_argument("--model", default="smollm2-135m", help="a known name or a .gguf file")
     ap.add_argument("--kv-cache-memory", help="ours: the KV cache's size (default 256MiB, 1GiB past 8 sequences)")
     ap.add_argument("--sequences", default="1,64", help="comma-separated sequence counts")
@@ -181,10 +202,10 @@ def main() -> None:
             best, median = max(rates[engine]), statistics.median(rates[engine])
             ratio = f"{first} / {engine} = {base / best:.2f}x" if base and engine != first else ""
             weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
-            print(f"  {engine:9s} best {best:8.2f}  median {median:8.2f}   weights {weights:40s} {ratio}")
+            print(f"  {engine:12s} best {best:8.2f}  median {median:8.2f}   weights {weights:40s} {ratio}")
             if "kv" in info[engine]:
                 i = info[engine]
-                print(f"            weights {i['weights'] / tensors:.3f}x the file's tensor bytes, KV "
+                print(f"               weights {i['weights'] / tensors:.3f}x the file's tensor bytes, KV "
                       f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
                       f"peak resident {i['max_rss'] / 2**30:.2f} GiB")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

