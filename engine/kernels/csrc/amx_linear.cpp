@@ -365,6 +365,7 @@ void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, u
         continue;
       }
       const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
+      kvtop_packed::prefetch_block<F>(sub.values);
       if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
         __m512 d0, d1;
         kvtop_packed::column_pairs(sub.d, d0, d1);

@@ -255,21 +255,6 @@ at::Tensor packed_q8_rows(const at::Tensor& packed, const at::Tensor& ids, int64
 #ifdef KVTOP_QUANT_PACKED
 namespace {
 
-// Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
-// decode step reads each weight once, and the hardware prefetchers alone kept the 8B shape's Q4_K
-// layers at ~14.5 GB/s on the Xeon; 1, 2, 4, 8, 16 KiB ahead: 21, 24, 25, 28-31, 26 GB/s (Q6_K 18 -
-// 25 GB/s, best at 8 KiB; benchmarks/HISTORY.md, "Third pass"). A prefetch never faults: past the
-// weight's end it costs a few useless lines.
-constexpr int64_t kPrefetchAhead = 8192;
-
-// The lines of one block of a tile (16 columns' share of a group), prefetched kPrefetchAhead ahead.
-template <int64_t F>
-inline void prefetch_block(const uint8_t* block) {
-  constexpr int64_t kLines = (kTile * kvtop_quant::group_bytes(F) / kvtop_quant::group_blocks(F) + 63) / 64;
-  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchAhead;
-  for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-}
-
 // 16 fp32 results to y: as they are, or rounded to bf16 (nearest even).
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 inline void store16(uint16_t* y, __m512 v) {
@@ -479,6 +464,7 @@ void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* s
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t b = 0; b < nb; ++b) {
     const Sub sub = packed_sub<F>(w, t, b, nb);
+    prefetch_block<F>(sub.values);
     float* rows = seg + b * kBlock * width;
     if constexpr (F == kQ8_0) {
       for (int r = 0; r < 16; ++r) {  // row r's (column, parity) lanes: even and odd into rows 2r, 2r + 1

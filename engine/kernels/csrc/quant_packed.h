@@ -119,6 +119,21 @@ inline void column_pairs(__m512 v, __m512& lo, __m512& hi) {
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
 }
 
+// Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
+// decode step reads each weight once, and the hardware prefetchers alone kept the 8B shape's Q4_K
+// layers at ~14.5 GB/s on the Xeon; 1, 2, 4, 8, 16 KiB ahead: 21, 24, 25, 28-31, 26 GB/s (Q6_K 18 -
+// 25 GB/s, best at 8 KiB; benchmarks/HISTORY.md, #41's third pass). A prefetch never faults: past the
+// weight's end it costs a few useless lines.
+constexpr int64_t kPrefetchAhead = 8192;
+
+// The lines of one block of a tile (16 columns' share of a group), prefetched kPrefetchAhead ahead.
+template <int64_t F>
+inline void prefetch_block(const uint8_t* block) {
+  constexpr int64_t kLines = (kTile * kvtop_quant::group_bytes(F) / kvtop_quant::group_blocks(F) + 63) / 64;
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchAhead;
+  for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+}
+
 // Element k (0..31) of a Q4 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q6_K's
 // q - 32 (its low 4 bits as Q4's, plus 16 * its high 2 bits - 32 through a table indexed by 2 bits).
 template <int64_t F>
