@@ -139,7 +139,7 @@ class QuantGateUp(QuantLinear):
     16g .. 16g + 15, tile 2g + 1: the same up rows), so that `silu_and_mul(x)` never writes the
     [rows, 2I] output: on AMX it comes from the tiles' epilogue, otherwise from one pass over the tile
     pairs (csrc/quant_gemm.cpp's quant_gate_up). `forward` gives the dense [gate, up] order, bit for
-    bit QuantLinear's on the same blocks; `silu_and_mul` is `kernels.silu_and_mul(forward(x))`, bit
+    bit a packed QuantLinear's on the same blocks; `silu_and_mul` is `kernels.silu_and_mul(forward(x))`, bit
     for bit. Made from a packable QuantLinear whose I is a multiple of 16 (`fits`)."""
 
     @staticmethod
