@@ -38,6 +38,7 @@ model's dtype: the trade side by side, its speed in the ratios and its accuracy 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -158,10 +159,11 @@ def llamacpp_generator(spec: dict):
     gguf = fetch_gguf(*KNOWN_MODELS["smollm2-135m"])
     loads = spec["workloads"].values()
     slots, longest = max(len(p) for p, _ in loads), max(len(q) + max(m) for p, m in loads for q in p)
-    server = contextlib.ExitStack()  # up while `generate` holds it: until the worker exits
+    server = contextlib.ExitStack()
     url = server.enter_context(serving(gguf, slots, longest))
+    atexit.register(server.close)  # up until the worker exits, then stopped
 
-    def generate(prompts, out_lens, server=server):
+    def generate(prompts, out_lens):
         return complete_all(url, prompts, out_lens)
 
     return generate, {"weights": "the GGUF file's (Q4_1, Q8_0)"}

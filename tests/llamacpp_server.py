@@ -10,15 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from kvtop.protocol.paths import cache_dir
-from tests.server_harness import short_tmpdir
+from tests.server_harness import peer_process, short_tmpdir
 from tests.vllm_server import free_port
 
 START_TIMEOUT_S = 300  # seconds for a model of a few GB to load beside other work
@@ -40,32 +36,15 @@ def llama_server() -> Path | None:
 @contextlib.contextmanager
 def llama_server_running(gguf: Path, parallel: int, ctx_size: int, threads: int = 2, *extra: str) -> Iterator[str]:
     """llama-server on `gguf` with `parallel` slots sharing `ctx_size` tokens, up (its /health answering
-    200) until the block ends: yields its base URL. Raises RuntimeError with the log's tail if it
-    does not come up."""
+    200) until the block ends: yields its base URL. RuntimeError with the log's tail if it does not
+    come up."""
     binary = llama_server()
     if binary is None:
         raise RuntimeError(MISSING)
     port, tmp = free_port(), short_tmpdir("llama")
     cmd = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
            "--ctx-size", str(ctx_size), "--threads", str(threads), "--threads-batch", str(threads), *extra]  # fmt: skip
-    log = tmp / "llama-server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"llama-server did not come up:\n{log.read_text()[-3000:]}")
+    with peer_process(
+        "llama-server", cmd, f"http://127.0.0.1:{port}", tmp / "llama-server.log", START_TIMEOUT_S
+    ) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +135,34 @@ def start_server(model: str | Path, *args: str, api_key: str | None = None, env:
         time.sleep(0.1)
     server.cleanup()
     raise RuntimeError(f"kvctl serve did not come up in {timeout:g} s:\n{server.log}")
+
+
+@contextlib.contextmanager
+def peer_process(name: str, cmd: list[str], url: str, log: Path, start_timeout: float, **popen) -> Iterator[str]:
+    """A peer's server (vLLM, llama.cpp) started with `cmd`, its output in `log`: yields `url` once its
+    /health answers 200, and stops it after (SIGTERM, then SIGKILL past 30 s). RuntimeError with the
+    log's tail if it exits or does not come up within `start_timeout` seconds."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start in {start_timeout:g} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stale_socket(path: Path) -> None:

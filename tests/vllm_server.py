@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from kvtop.protocol.paths import cache_dir
+from tests.server_harness import peer_process
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600  # about a minute alone on 2 cores; much more beside other work
@@ -53,31 +53,8 @@ def vllm_server(model_dir: Path, log: Path, *args: str, kv_space_gib: int = 1) -
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "smollm2-135m", "--enforce-eager", "--max-model-len", "2048",
            "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
+    with peer_process("vLLM", cmd, f"http://127.0.0.1:{port}", log, START_TIMEOUT_S, env=env, cwd=log.parent) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(2)
-    raise RuntimeError(f"vLLM did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
 def samples(url: str) -> dict[str, float]:

@@ -420,6 +420,7 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0), group_elems = kbs * 2 * kTileElems;
+  static thread_local std::vector<uint16_t> slab_buffer;  // prefill's slabs, the calling thread's: no page faults a call
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     auto dequant = [&](int64_t g, uint16_t* group_tiles) {
@@ -453,9 +454,8 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
     // run: SmolLM2's linears at 2,048 rows took 1.17-1.20x amx_linear's time on the weights in bf16,
     // slabs 1.04-1.08x (the de-quantization, once per call).
     const int64_t slab = std::max<int64_t>(1, (4 << 20) / (group_elems * 2)), blocks = (m + kBlockM - 1) / kBlockM;
-    static thread_local std::vector<uint16_t> callers;  // the calling thread's, reused: no page faults a call
-    callers.resize(std::min(slab, groups) * group_elems);
-    uint16_t* const tiles = callers.data();  // (a worker naming `callers` would get its own)
+    slab_buffer.resize(std::min(slab, groups) * group_elems);
+    uint16_t* const tiles = slab_buffer.data();  // (a worker naming `slab_buffer` would get its own)
     for (int64_t s0 = 0; s0 < groups; s0 += slab) {
       const int64_t count = std::min(slab, groups - s0);
       at::parallel_for(0, count, 1, [&](int64_t g0, int64_t g1) {

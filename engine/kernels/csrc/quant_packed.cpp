@@ -401,21 +401,17 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   if (m == 0) return y;
   // x in fp32: widened here rather than by x.to(kFloat), whose dispatch and allocation cost more than
   // the conversion of a few rows (a decode step makes ~90 of these calls)
+  const at::Tensor xc = x.contiguous();  // x itself where it already is
   thread_local std::vector<float> widened;
   const float* xp = nullptr;
-  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
-    xp = x.data_ptr<float>();
+  if (xc.scalar_type() == at::kFloat) {
+    xp = xc.data_ptr<float>();
   } else {
     widened.resize(m * k);
-    const at::Tensor xc = x.contiguous();  // x itself where it already is
-    if (x.scalar_type() == at::kFloat) {
-      std::memcpy(widened.data(), xc.data_ptr<float>(), m * k * sizeof(float));
-    } else {
-      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-      for (int64_t i = 0; i < m * k; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-        std::memcpy(&widened[i], &bits, 4);
-      }
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < m * k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+      std::memcpy(&widened[i], &bits, 4);
     }
     xp = widened.data();
   }
