@@ -208,8 +208,19 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
         "tests/test_bf16_attention.py::test_placement",
         # nor AMX: the quantized layers' bf16 rows stay on the fp32 kernels, amx_quant_linear refuses
         "tests/test_quant_amx.py::test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kernel",
-        # nor the packed decode kernel (AVX-512 with BF16): nothing is packed, the op refuses
-        "tests/test_quant_packed.py::test_without_avx512_bf16_nothing_is_packed_and_the_ops_refuse",
+        # the packed GGUF blocks' 8-lane kernels (csrc/quant_packed_avx2.h); no gate/up tile pairs
+        *(
+            f"tests/test_quant_packed.py::test_{name}"
+            for name in (
+                "packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit",
+                "decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order",
+                "one_hot_decode_rows_read_each_columns_values_back",
+                "more_rows_get_what_the_files_layout_gives_bit_for_bit",
+                "the_layers_and_a_q8_0_head_are_packed_and_the_tied_embedding_reads_the_same_rows",
+                "fused_decode_runs_the_packed_layers_bit_for_bit_as_the_python_loop",
+                "without_avx512_a_gate_up_stays_a_packed_layer_and_the_pair_op_refuses",
+            )
+        ),
     ]
     cmd = [
         sys.executable,

@@ -55,6 +55,7 @@ HEADERS = [
     CSRC / "row_blocks.h",
     CSRC / "quant_blocks.h",
     CSRC / "quant_packed.h",
+    CSRC / "quant_packed_avx2.h",
 ]  # in the build key too: a changed header is a new build
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).

@@ -9,10 +9,11 @@ for a few rows (decode, where the weights' bytes set the time), and from `gemv_r
 once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
-On a CPU with AVX-512 (and BF16), Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are repacked at load
-(`pack_for_decode`: the same bytes, tiles of 16 columns; csrc/quant_packed.cpp): one to four rows
-multiply 16 columns per FMA, each block's scale applied once per tile; more rows read AMX tiles or
-fp32 panels straight out of the tiles.
+Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are repacked at load (`pack_for_decode`: the same bytes,
+tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 columns per FMA (AVX-512
+with BF16; 8 per FMA with AVX2, csrc/quant_packed_avx2.h), each block's scale applied once per tile;
+more rows read AMX tiles or fp32 panels straight out of the tiles, no transpose. Only where packing
+is switched off (`KVTOP_QUANT_PACK=0`) do the file layout's kernels above run.
 
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
@@ -54,8 +55,13 @@ def gemv_rows() -> int:
 
 
 def packed_kernel_available() -> bool:
-    """The kernel extension built here with the packed decode kernel (AVX-512 BW + BF16)."""
+    """The kernel extension built here with the packed kernels (AVX-512 BW + BF16, or AVX2 + FMA + F16C)."""
     return cpu.says("quant_packed_supported")
+
+
+def gate_up_kernel_available() -> bool:
+    """The kernel extension built here with SiLU-and-mul over gate/up tile pairs (AVX-512 BW + BF16)."""
+    return cpu.says("quant_gate_up_supported")
 
 
 PACKED_FORMATS = (  # what quant_pack repacks
@@ -144,7 +150,12 @@ class QuantGateUp(QuantLinear):
 
     @staticmethod
     def fits(linear: nn.Module) -> bool:
-        return type(linear) is QuantLinear and linear.packable() and linear.out_features % (2 * PACKED_TILE) == 0
+        return (
+            type(linear) is QuantLinear
+            and linear.packable()
+            and linear.out_features % (2 * PACKED_TILE) == 0
+            and gate_up_kernel_available()
+        )
 
     @classmethod
     def from_linear(cls, linear: QuantLinear) -> QuantGateUp:

@@ -15,7 +15,9 @@
 // The kernels walk a column in sub-blocks of 32 values, each with one scale d and offset m (Q6_K's
 // two scales of 16 are folded into its values, which are then the reference's exactly, d = 1).
 //
-// Two kernels, both AVX2 + FMA + F16C, and quant_linear, which picks one by the row count:
+// Two kernels on the file's layout, both AVX2 + FMA + F16C, and quant_linear, which picks one by the
+// row count (a loaded model's weights are packed instead, quant_packed.cpp; these run for a weight left
+// in the file's layout: N not a multiple of 16, or KVTOP_QUANT_PACK=0):
 // - quant_gemv, for a few rows (decode): one work item is a run of output columns; each block of a
 //   column is de-quantized into four 8-lane registers once and multiplied into every row's
 //   accumulator (up to kRows rows at a time). The block's scale comes out of the sum: per row,
@@ -248,7 +250,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t for
                       const std::optional<at::Tensor>& bias) {
   const bool packed = format >= kPackedFormat;
   if (packed) format -= kPackedFormat;
-  TORCH_CHECK(!packed || kvtop_packed::supported(), "quant_gemm: this build has no AVX-512 with BF16");
+  TORCH_CHECK(!packed || kvtop_packed::supported(), "quant_gemm: this build has no AVX2 with FMA and F16C");
   const int64_t bytes = check_operands(x, blocks, format, n, bias, "quant_gemm");
   const int64_t k = x.size(1), m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());

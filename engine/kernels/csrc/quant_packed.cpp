@@ -23,6 +23,8 @@
 //     for 8 columns' two K values; the pairs are summed at the tile's end.
 // A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
 // pairs, of an AMX B tile (amx_linear.cpp): both read the packed weight without a transpose.
+// Without AVX-512 (with BF16), AVX2 + FMA + F16C reads the same tiles half a tile — 8 columns, one
+// 8-lane register — at a time: quant_packed_avx2.h, which this file's gemv and dequant_panel call there.
 //
 // quant_linear (quant_gemm.cpp) routes a packed format (its ggml type + kPackedFormat) here (up to 4
 // rows), to AMX (more bf16 rows) or to the panels (the rest); only the reference unpacks it to the
@@ -45,6 +47,9 @@
 #include "bf16_simd.h"
 #include "quant_blocks.h"
 #include "quant_packed.h"
+#if defined(KVTOP_QUANT_PACKING) && !defined(KVTOP_QUANT_PACKED)
+#include "quant_packed_avx2.h"  // AVX2's kernels: half a tile at a time
+#endif
 
 namespace kvtop_packed {
 
@@ -55,7 +60,18 @@ using kvtop_quant::kQ4_K;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
 
+// Weights are packed here: the 16-lane kernels (AVX-512 BW + BF16) or the 8-lane ones (AVX2 + FMA + F16C).
 bool supported() {
+#ifdef KVTOP_QUANT_PACKING
+  return true;
+#else
+  return false;
+#endif
+}
+
+// gate_up_tiles (SiLU-and-mul over gate/up tile pairs, quant_linear.py's QuantGateUp) is built: AVX-512
+// only; elsewhere a packed gate/up stays a plain packed layer and SiLU-and-mul runs after it.
+bool gate_up_supported() {
 #ifdef KVTOP_QUANT_PACKED
   return true;
 #else
@@ -374,6 +390,41 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
   }
 }
 
+inline float block_sum(const float* x) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+}
+
+}  // namespace
+#elif defined(KVTOP_QUANT_PACKING)
+namespace {
+
+using avx2::block_sum;
+
+// Tiles [t0, t1) for m rows (1..4) of x fp32, half a tile at a time (quant_packed_avx2.h).
+template <int64_t F, typename T>
+void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+           const float* bias, T* y, int64_t n) {
+  const int64_t nb = k / kBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t c = t * kTile + avx2::kHalf * h;
+      const float* bh = bias ? bias + c : nullptr;
+      auto run = [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        if constexpr (F == kQ8_0)
+          avx2::q8_half_rows<T, R>(x, k, w, t, h, nb, bh, y + c, n);
+        else
+          avx2::q4_half_rows<F, T, R>(x, k, xsum, w, t, h, nb, bh, y + c, n);
+      };
+      switch (m) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        default: run(std::integral_constant<int, 4>{}); break;
+      }
+    }
+}
+
 }  // namespace
 #endif
 
@@ -387,7 +438,7 @@ bool gemv_takes(const at::Tensor& x) {
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias) {
   check_packable(packed, format, n, "quant_packed_gemv");
-  TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX-512 with BF16");
+  TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX2 with FMA and F16C");
   TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
   const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
   const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
@@ -397,7 +448,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "quant_packed_gemv: bias must be a contiguous float32 [N]");
   at::Tensor y = at::empty({m, n}, x.options());
-#ifdef KVTOP_QUANT_PACKED
+#ifdef KVTOP_QUANT_PACKING
   if (m == 0) return y;
   // x in fp32: widened here rather than by x.to(kFloat), whose dispatch and allocation cost more than
   // the conversion of a few rows (a decode step makes ~90 of these calls)
@@ -417,8 +468,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   }
   // the offset term's per-block sums of x, once per call (Q8_0 and Q6_K have none)
   std::vector<float> xsum(format == kQ8_0 || format == kQ6_K ? 0 : m * nb);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i)
-    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xp + i * kBlock), _mm512_loadu_ps(xp + i * kBlock + 16)));
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) xsum[i] = block_sum(xp + i * kBlock);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   // grain: ~16 KiB of weight a task, so that the small projections still split across threads
@@ -476,6 +526,8 @@ void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* s
     }
   }
 }
+#elif defined(KVTOP_QUANT_PACKING)
+using avx2::panel_rows;
 #endif
 }  // namespace
 
@@ -484,13 +536,13 @@ void panel_rows(const uint8_t* w, int64_t t, int64_t nb, int64_t width, float* s
 // past N — for quant_gemm.cpp's panels (fp32 rows past the decode rows, and bf16 ones without AMX).
 // A tile's 16 columns are a 16-lane segment of every panel row: no transpose.
 void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out) {
-#ifdef KVTOP_QUANT_PACKED
+#ifdef KVTOP_QUANT_PACKING
   const int64_t nb = k / kBlock;
   for (int64_t i = 0; i < width / kTile; ++i) {
     const int64_t t = p * (width / kTile) + i;
     float* seg = out + i * kTile;
     if (t * kTile >= n) {
-      for (int64_t row = 0; row < k; ++row) _mm512_storeu_ps(seg + row * width, _mm512_setzero_ps());
+      for (int64_t row = 0; row < k; ++row) std::memset(seg + row * width, 0, kTile * sizeof(float));
       continue;
     }
     switch (format) {
@@ -503,7 +555,7 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
   }
 #else
   (void)w, (void)format, (void)p, (void)n, (void)k, (void)width, (void)out;
-  TORCH_CHECK(false, "quant_packed: this build has no AVX-512 with BF16");
+  TORCH_CHECK(false, "quant_packed: this build has no AVX2 with FMA and F16C");
 #endif
 }
 
@@ -555,6 +607,7 @@ at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu) {
 
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_packed_supported() -> bool", &kvtop_packed::supported);
+  m.def("quant_gate_up_supported() -> bool", &kvtop_packed::gate_up_supported);
   m.def("quant_pack(Tensor blocks, int format, int n) -> Tensor", &kvtop_packed::pack);
   m.def("quant_unpack(Tensor packed, int format, int n) -> Tensor", &kvtop_packed::unpack);
   m.def("quant_packed_rows(Tensor packed, Tensor ids, int n) -> Tensor", &kvtop_packed::packed_q8_rows);

@@ -22,7 +22,10 @@
 #include "quant_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows: vcvtneps2bf16
-#define KVTOP_QUANT_PACKED 1
+#define KVTOP_QUANT_PACKED 1  // the 16-lane kernels below, and amx_linear.cpp's tiles
+#endif
+#if defined(KVTOP_QUANT_PACKED) || defined(KVTOP_QUANT_GEMM)
+#define KVTOP_QUANT_PACKING 1  // weights are packed and multiplied packed: 16 lanes, or AVX2's 8 (quant_packed.cpp)
 #endif
 
 namespace kvtop_packed {
@@ -37,6 +40,24 @@ inline bool packable_format(int64_t format) {
 
 // Bytes before a Q4_0/Q4_1 group's nibbles: d[16], and m[16] for Q4_1.
 constexpr int64_t q4_scale_bytes(int64_t format) { return format == kvtop_quant::kQ4_1 ? 64 : 32; }
+
+#ifdef KVTOP_QUANT_PACKING
+// Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
+// decode step reads each weight once, and the hardware prefetchers alone kept the 8B shape's Q4_K
+// layers at ~14.5 GB/s on the Xeon; 1, 2, 4, 8, 16 KiB ahead: 21, 24, 25, 28-31, 26 GB/s (Q6_K 18 -
+// 25 GB/s, best at 8 KiB; benchmarks/HISTORY.md, #41's third pass). A prefetch never faults: past the
+// weight's end it costs a few useless lines.
+constexpr int64_t kPrefetchAhead = 8192;
+
+// The lines of one block of a tile (16 columns' share of a group), prefetched kPrefetchAhead ahead.
+template <int64_t F>
+inline void prefetch_block(const uint8_t* block) {
+  constexpr int64_t kLines = (kTile * kvtop_quant::group_bytes(F) / kvtop_quant::group_blocks(F) + 63) / 64;
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchAhead;
+  for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+}
+
+#endif
 
 #ifdef KVTOP_QUANT_PACKED
 // The floats 0..15, which vpermps indexes with a dword's low 4 bits.
@@ -117,21 +138,6 @@ inline void column_pairs(__m512 v, __m512& lo, __m512& hi) {
   const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   lo = _mm512_permutexvar_ps(pairs, v);
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
-}
-
-// Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
-// decode step reads each weight once, and the hardware prefetchers alone kept the 8B shape's Q4_K
-// layers at ~14.5 GB/s on the Xeon; 1, 2, 4, 8, 16 KiB ahead: 21, 24, 25, 28-31, 26 GB/s (Q6_K 18 -
-// 25 GB/s, best at 8 KiB; benchmarks/HISTORY.md, #41's third pass). A prefetch never faults: past the
-// weight's end it costs a few useless lines.
-constexpr int64_t kPrefetchAhead = 8192;
-
-// The lines of one block of a tile (16 columns' share of a group), prefetched kPrefetchAhead ahead.
-template <int64_t F>
-inline void prefetch_block(const uint8_t* block) {
-  constexpr int64_t kLines = (kTile * kvtop_quant::group_bytes(F) / kvtop_quant::group_blocks(F) + 63) / 64;
-  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchAhead;
-  for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
 }
 
 // Element k (0..31) of a Q4 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q6_K's
