@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(
         dtype=args.dtype, kv_cache_memory="3GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-        attention_backend=args.attention_backend, quiet=True,
+        attention_backend=args.attention_backend, quantization="none", quiet=True,
     )  # fmt: skip
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49000) for _ in range(args.input)] for _ in range(args.prompts)]

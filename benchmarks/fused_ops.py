@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(1)
     llm = LLM(
         dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-        enable_prefix_caching=False, attention_backend="cpu", quiet=True,
+        enable_prefix_caching=False, attention_backend="cpu", quantization="none", quiet=True,
     )  # fmt: skip
     assert llm.stats()["engine"]["attention_backend"] == "cpu", "the C++ kernels did not build"
     rng = random.Random(0)

@@ -339,7 +339,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                     help="ours: a quantized KV cache, to measure the trade (the peers keep the model's dtype)")  # fmt: skip
     ap.add_argument("--quantization", default="none", choices=["none", "auto"],
-                    help="ours: auto keeps the GGUF's Q4_1 blocks (llama.cpp's weights), none de-quantizes")  # fmt: skip
+                    help="ours: none (here the default: vLLM and transformers run the de-quantized weights, "
+                         "like for like) or auto, the GGUF's Q4_1 blocks as llama.cpp runs them")  # fmt: skip
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one engine's process")
     ap.add_argument("--serving", action="store_true", help="kvctl bench against kvctl serve, then vLLM's server")

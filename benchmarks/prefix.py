@@ -71,7 +71,8 @@ def shared_prefix_part(args, results: dict) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     print(f"1. {args.requests} requests sharing a {args.system_len}-token system prompt, 16 output tokens each")
     for on in (True, False):
-        llm = LLM("smollm2-135m", dtype=args.dtype, kv_cache_memory="4GiB", enable_prefix_caching=on, quiet=True)
+        llm = LLM("smollm2-135m", dtype=args.dtype, kv_cache_memory="4GiB", enable_prefix_caching=on,
+                  quantization="none", quiet=True)  # fmt: skip
         llm.generate(prompts[:1], params)  # warm-up: the system prompt has been seen once
         llm.engine.metrics.counters.prefill_seconds = 0.0
         llm.engine.metrics.counters.prefill_tokens = 0
@@ -94,7 +95,7 @@ def swap_part(args, results: dict) -> None:
     for mode in ("recompute", "swap"):
         extra = {"cpu_offload_memory": "1GiB"} if mode == "swap" else {}
         llm = LLM("smollm2-135m", dtype=args.dtype, kv_cache_memory="96MiB", preemption_mode=mode,
-                  enable_prefix_caching=False, quiet=True, **extra)  # fmt: skip
+                  enable_prefix_caching=False, quantization="none", quiet=True, **extra)  # fmt: skip
         r = run(llm, long_prompts, params)
         outputs[mode] = [o.token_ids for o in llm.generate(long_prompts[:4], params)]
         frame = llm.stats()

@@ -11,8 +11,8 @@ Each engine runs in its own process, one at a time (two OpenMP processes on 2 co
 other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
 generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
   quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head),
-            fp32 activations; where the CPU has AVX-512 with BF16 the blocks are repacked at load into
-            tiles of 16 columns (the same bytes: csrc/quant_packed.cpp) that decode multiplies in fp32
+            fp32 activations (the default); the blocks are repacked at load into tiles of 16 columns
+            (the same bytes: csrc/quant_packed.cpp) that decode multiplies in fp32, 16 or (AVX2) 8 at a time
   quant-bf16  the same blocks in a bf16 model (`dtype="bfloat16"`): bf16 activations; on AMX, prefill and
             batched decode multiply bf16 tiles read out of the packed blocks
   bf16      ours, the same file de-quantized to bf16 (`quantization="none"`)

@@ -53,8 +53,8 @@ def free_port() -> int:
 
 def server_cmd(kind: str, dtype: str, port: int, tmp: Path, args) -> tuple[list[str], dict]:
     if kind == "ours":
-        cmd = [str(KVCTL), "serve", "--model", "smollm2-135m", "--dtype", dtype, "--port", str(port),
-               "--kv-cache-memory", f"{args.kv_gib}GiB", "--attention-backend", args.attention_backend,
+        cmd = [str(KVCTL), "serve", "--model", "smollm2-135m", "--dtype", dtype, "--quantization", "none",
+               "--port", str(port), "--kv-cache-memory", f"{args.kv_gib}GiB", "--attention-backend", args.attention_backend,
                "--socket", str(tmp / "engine.sock"), "--snapshot-dir", str(tmp / "snaps")]  # fmt: skip
         return cmd, dict(os.environ)
     from engine.model.loader import resolve_model_dir

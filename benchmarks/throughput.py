@@ -82,7 +82,7 @@ def compare_backends(backends: list[str], dtypes: list[str], kinds: list[str], a
             useful = sum(out_lens)
             for backend in backends:
                 llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory,
-                          attention_backend=backend, quiet=True)  # fmt: skip
+                          attention_backend=backend, quantization="none", quiet=True)  # fmt: skip
                 resolved = llm.stats()["engine"]["attention_backend"]
                 run_engine(llm, *workload("fixed", 4, seed=99))  # warm-up
                 walls, cpus = [], []
@@ -174,7 +174,7 @@ def main() -> None:
         dtypes = []
     for dtype in dtypes:
         llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=args.kv_cache_memory,
-                  attention_backend=args.attention_backend, quiet=True)  # fmt: skip
+                  attention_backend=args.attention_backend, quantization="none", quiet=True)  # fmt: skip
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         # warm both paths once so one-time costs (allocator, kernels) do not land in the figures
         run_engine(llm, *workload("fixed", 4, seed=99))

@@ -65,7 +65,8 @@ def kvctl(*args: str, timeout: float = 3600) -> str:
 def serving(config: dict, tmp: Path):
     """A fresh, healthy `kvctl serve` at `config`: (its URL, its control socket)."""
     port, sock = free_port(), tmp / "s" / "engine.sock"  # the server makes its socket directory, 0700
-    cmd = [str(KVCTL), "serve", "--model", "smollm2-135m", "--dtype", "float32", "--port", str(port),
+    cmd = [str(KVCTL), "serve", "--model", "smollm2-135m", "--dtype", "float32", "--quantization", "none",
+           "--port", str(port),
            "--socket", str(sock), "--snapshot-dir", str(tmp), *flags(config)]  # fmt: skip
     log = tmp / "server.log"
     with open(log, "w") as f:

@@ -1,10 +1,10 @@
 """Find a model (name, HF directory, GGUF file or hub id), read its config, load its weights.
 
 GGUF files are converted once into an HF directory under the cache (`engine.model.gguf`); the
-shape of a model is `engine.model.spec`. With `quantization="auto"` a GGUF file's weights load
-from the file in their block formats (`engine.model.gguf_quant`); `"none"` (the default, until the
-quantized prefill is as fast as bf16's) loads the de-quantized directory's; `"int8"` makes any
-checkpoint's projections and head Q8_0 blocks at load (`engine.model.int8_weights`).
+shape of a model is `engine.model.spec`. With `quantization="auto"` (the default) a GGUF file's
+weights load from the file in their block formats (`engine.model.gguf_quant`); `"none"` loads the
+de-quantized directory's; `"int8"` makes any checkpoint's projections and head Q8_0 blocks at load
+(`engine.model.int8_weights`).
 """
 
 from __future__ import annotations

@@ -79,9 +79,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "quantization": (
         str,
         typer.Option(
-            help=f"Weights: {_choice(QUANTIZATIONS)} (auto: a GGUF file's stay in its Q4/Q8 blocks on the CPU, "
-            "a quarter of fp32's bytes; none, the default for now: de-quantized to --dtype; int8: any "
-            "model's projections and head made Q8_0 blocks at load, on the CPU).",
+            help=f"Weights: {_choice(QUANTIZATIONS)} (auto, the default: a GGUF file's stay in its Q4/Q8 "
+            "blocks on the CPU, under a fifth of fp32's bytes, an HF checkpoint's load as they are; none: de-quantized "
+            "to --dtype; int8: any model's projections and head made Q8_0 blocks at load, on the CPU).",
             rich_help_panel=_P,
         ),
     ),

@@ -68,9 +68,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    # auto: a GGUF's weights stay quantized (CPU); none: de-quantized to dtype. None by default until the
-    # quantized prefill and batched decode are as fast as bf16's (benchmarks/README.md, "GGUF weights")
-    quantization: str = "none"
+    # auto: a GGUF's weights stay in their blocks (CPU; a checkpoint's load as they are); none:
+    # de-quantized to dtype; int8: any checkpoint's made Q8_0 at load
+    quantization: str = "auto"
     attention_backend: str = "auto"
     schedule_policy: str = "fcfs"
     preemption_mode: str = "recompute"
