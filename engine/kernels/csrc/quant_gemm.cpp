@@ -67,6 +67,7 @@ at::Tensor quant_tiles_gate_up(const at::Tensor& x, const at::Tensor& blocks, in
 
 namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1/Q8_0 repacked for decode
 bool supported();
+bool gate_up_supported();
 bool gemv_takes(const at::Tensor& x);
 void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
@@ -316,6 +317,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
 at::Tensor quant_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t inter,
                          const std::optional<at::Tensor>& bias, bool silu) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
+  TORCH_CHECK(kvtop_packed::gate_up_supported(), "quant_gate_up: this build has no AVX-512 with BF16");
   TORCH_CHECK(format >= kPackedFormat && inter % 16 == 0, "quant_gate_up: a packed weight of gate/up tile pairs expected");
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   const at::Tensor y = tiles && x2.scalar_type() == at::kBFloat16 && x2.size(0) > kGemvRows
