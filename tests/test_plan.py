@@ -90,3 +90,14 @@ def test_plan_flags_a_context_beyond_the_models_positions_and_takes_utilization(
     body = json.loads(_plan("llama3-8b", "--memory", "80GiB", "--gpu-memory-utilization", "0.5", "--json").stdout)
     assert body["kv_memory_bytes"] == 40 * 1024**3 - body["weights_bytes"]
     assert body["options"][0]["bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # layers × K,V × kv heads × dim × bf16
+
+
+@pytest.mark.integration  # a kvctl or Python process: start-up seconds each
+def test_plan_counts_the_default_models_blocks_and_says_a_gpu_would_dequantize_them():
+    """The default (--quantization auto) counts a GGUF's weights as the CPU holds them; a GPU operator
+    reading the plan is told that the engine there de-quantizes, and how to plan that."""
+    blocks = " ".join(_plan("smollm2-135m", "--memory", "8GiB").stdout.split())
+    assert "92.0 MiB of Q4_1, Q8_0, bfloat16 weights" in blocks
+    assert "on a GPU the engine de-quantizes them to bfloat16: plan that with --quantization none" in blocks
+    dense = " ".join(_plan("smollm2-135m", "--memory", "8GiB", "--quantization", "none").stdout.split())
+    assert "of bfloat16 weights" in dense and "de-quantizes" not in dense

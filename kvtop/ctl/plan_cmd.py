@@ -120,6 +120,12 @@ def print_plan(p: Plan) -> None:
     out.print(table)
     for w in p.warnings:
         out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    if p.weights_format != p.dtype:  # blocks (a GGUF's, or int8's): held so on the CPU only
+        out.print(
+            f"Weights counted as the CPU holds them ({p.weights_format}); on a GPU the engine de-quantizes "
+            f"them to {p.dtype}: plan that with --quantization none.",
+            highlight=False,
+        )
     out.print(
         f"GQA: {p.heads} query heads share {p.kv_heads} KV heads, so the KV is {p.gqa_saving:.1f}× smaller "
         f"than the same model with full multi-head KV.",
