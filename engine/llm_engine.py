@@ -28,7 +28,7 @@ from engine.model.packed_linear import weights_note
 from engine.outputs import RequestOutput, request_output
 from engine.runner import ModelRunner
 from engine.runtime import knobs
-from engine.runtime.devices import kv_memory_bytes, resolve_device, resolve_dtype
+from engine.runtime.devices import kv_budget_note, kv_memory_bytes, resolve_device, resolve_dtype
 from engine.runtime.faults import FaultInjector
 from engine.runtime.host_memory import keep_freed_memory
 from engine.runtime.log import log
@@ -45,12 +45,14 @@ from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.trace import rows
 
 
-def allocate_kv(config: EngineConfig, spec, dtype: torch.dtype, device: str) -> tuple[KVCache, BlockManager]:
-    """The KV cache (its one allocation, sized by the config's memory rule), the CPU tier when
-    `cpu_offload_memory` asks for one, and the block manager over both."""
+def allocate_kv(
+    config: EngineConfig, spec, dtype: torch.dtype, device: str, memory_bytes: int
+) -> tuple[KVCache, BlockManager]:
+    """The KV cache (its one allocation, of `memory_bytes`: the config's memory rule), the CPU tier
+    when `cpu_offload_memory` asks for one, and the block manager over both."""
     kv = KVCache.allocate(
         spec,
-        kv_memory_bytes(config, device, spec.hidden_size),
+        memory_bytes,
         config.block_size,
         config.kv_cache_dtype,
         dtype,
@@ -86,7 +88,9 @@ class LLMEngine:
         self.model.build_rope_cache(self.max_model_len)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         kernels = get_backend(config.attention_backend, self.device)
-        self.kv, self.block_manager = allocate_kv(config, self.spec, self.dtype, self.device)
+        # on the CPU the `auto` size also gets what the weights' blocks save against the same weights de-quantized
+        self.kv_budget = kv_memory_bytes(config, self.device, self.spec.hidden_size, loaded.bytes_saved)
+        self.kv, self.block_manager = allocate_kv(config, self.spec, self.dtype, self.device, self.kv_budget)
         self.scheduler = Scheduler.from_config(self.block_manager, config)
         self.runner = ModelRunner(self.model, self.kv, kernels, self.device)
         if config.kv_cache_dtype == "fp8_e4m3":
@@ -119,7 +123,8 @@ class LLMEngine:
             f"model {self.config.model} ({self.spec.model_type}, {self.spec.num_layers} layers, "
             f"{self.spec.num_kv_heads} KV heads × {self.spec.head_dim}) on {self.device}, {str(self.dtype)[6:]}, "
             f"attention {self.attention_backend}; KV {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, "
-            f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}; "
+            f"{kv.num_blocks} blocks × {kv.block_size} = {cap} tokens in {format_bytes(kv.total_bytes)}"
+            f"{kv_budget_note(self.config, self.device, self.kv_budget)}; "
             f"{at_len} concurrent sequences at max_model_len={self.max_model_len}"
             + f"; weights {weights_note(self.weights_format, self.weights_bytes, self.prefill_copy_bytes)}"
         )

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtop.protocol.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, format_bytes
+from kvtop.protocol.config import CPU_DEFAULT_KV_MEMORY, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, format_bytes
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.sizing import (
     ELEMENT_BYTES,
@@ -88,6 +88,17 @@ class Plan:
     def gqa_saving(self) -> float:
         """How many times smaller the KV is than full multi-head attention's."""
         return self.heads / self.kv_heads
+
+    @property
+    def bytes_saved(self) -> int:
+        """What the weights' blocks save against the same weights in `dtype` (0 when held in it)."""
+        return max(0, self.parameters * ELEMENT_BYTES[self.dtype] - self.weights_bytes)
+
+    @property
+    def cpu_auto_kv_bytes(self) -> int:
+        """The engine's `auto` KV size on the CPU for these weights: the default plus what their blocks
+        save (at most half the host memory free at start: engine/runtime/devices.py)."""
+        return CPU_DEFAULT_KV_MEMORY + self.bytes_saved
 
     @property
     def usable_bytes(self) -> int | None:

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from engine import LLM
+from engine.runtime import devices
 from kvtop.planning import plan
+from kvtop.protocol.config import CPU_DEFAULT_KV_MEMORY
 
 
 @pytest.mark.parametrize("kvd", ["auto", "fp8_e4m3", "int8"])
@@ -101,3 +103,33 @@ def test_plan_counts_the_default_models_blocks_and_says_a_gpu_would_dequantize_t
     assert "on a GPU the engine de-quantizes them to bfloat16: plan that with --quantization none" in blocks
     dense = " ".join(_plan("smollm2-135m", "--memory", "8GiB", "--quantization", "none").stdout.split())
     assert "of bfloat16 weights" in dense and "de-quantizes" not in dense
+    assert "the engine's KV gets 256.0 MiB + the 164.5 MiB they save = 420.5 MiB" in blocks
+
+
+def test_the_cpu_auto_kv_gets_what_quantized_weights_save_as_the_plan_says():
+    """SmolLM2's Q4_1 file held as blocks takes 92 MiB where float32 takes 513: with no
+    --kv-cache-memory the KV cache gets the default 256 MiB plus the 421 MiB saved, the figure
+    `kvctl plan` gives; de-quantized, the default alone."""
+    p = plan("smollm2-135m", dtype="float32", kv_cache_memory=CPU_DEFAULT_KV_MEMORY)
+    assert p.bytes_saved > 400 * 1024**2
+    quantized = LLM("smollm2-135m", dtype="float32", quiet=True)  # quantization auto: the blocks
+    assert quantized.engine.kv_budget == p.cpu_auto_kv_bytes
+    kv = quantized.stats()["kv"]
+    assert kv["num_blocks"] == p.cpu_auto_kv_bytes // (kv["bytes_per_token"] * kv["block_size"])
+    assert "(auto: 256.0 MiB + 421.0 MiB the weights' blocks save)" in quantized.engine.summary()
+    del quantized
+    dense = LLM("smollm2-135m", dtype="float32", quantization="none", quiet=True)
+    assert dense.engine.kv_budget == CPU_DEFAULT_KV_MEMORY and "blocks save" not in dense.engine.summary()
+    assert dense.stats()["kv"]["num_blocks"] == 364  # 5,824 tokens, as before
+
+
+def test_the_cpu_auto_kv_takes_at_most_half_the_free_memory(monkeypatch):
+    """A large saving (an 8B Q4_K file against float32: ~27 GB) never takes the host's last memory:
+    the growth stops at half of what is available, and a host with little free keeps the default."""
+    mib = 1024**2
+    assert devices.host_memory_available() > 0
+    monkeypatch.setattr(devices, "host_memory_available", lambda: 600 * mib)
+    assert devices.cpu_kv_growth(421 * mib) == 300 * mib - CPU_DEFAULT_KV_MEMORY
+    assert devices.cpu_kv_growth(20 * mib) == 20 * mib and devices.cpu_kv_growth(0) == 0
+    monkeypatch.setattr(devices, "host_memory_available", lambda: 300 * mib)
+    assert devices.cpu_kv_growth(421 * mib) == 0

@@ -9,10 +9,12 @@ de-quantized directory's; `"int8"` makes any checkpoint's projections and head Q
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf.quants import quant_shape_from_byte_shape
 
 from engine.errors import ModelLoadError
 from engine.model import default
@@ -37,6 +39,14 @@ class LoadedModel:
     # held besides: oneDNN's copy of the AMX or bf16-panel projections for long prefill steps
     prefill_copy_bytes: int = 0
     weights_format: str = ""  # "float32"; a quantized GGUF's formats by bytes, e.g. "Q4_1, Q8_0, float32"
+    # what the weights would take de-quantized to the model's dtype: blocks save the difference, which
+    # the KV cache's `auto` size on the CPU gets (engine/runtime/devices.py); 0: held as loaded
+    dequantized_bytes: int = 0
+
+    @property
+    def bytes_saved(self) -> int:
+        """What the weights' blocks save against the same weights de-quantized (0 when held as loaded)."""
+        return max(0, self.dequantized_bytes - self.weights_bytes) if self.dequantized_bytes else 0
 
 
 def read_config_fields(model: str) -> dict:
@@ -121,6 +131,22 @@ def weights_format(net: torch.nn.Module) -> str:
     return ", ".join(sorted(by_format, key=by_format.__getitem__, reverse=True))
 
 
+def dequantized_bytes(net: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The weights' bytes were every block de-quantized to `dtype` (a tensor held in two places, as a
+    tied embedding's blocks, counted once); the other tensors as they are held."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes: dict[int, int] = {}
+    for module in net.modules():
+        fmt = getattr(module, "fmt", None)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if fmt is not None and tensor.dtype == torch.uint8:  # [N, row bytes] blocks: N × K values
+                shape = quant_shape_from_byte_shape(tuple(tensor.shape), fmt)
+                sizes[id(tensor)] = math.prod(shape) * itemsize
+            else:
+                sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(sizes.values())
+
+
 def resident_bytes(net: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer (a tensor held in two places counted once)."""
     return sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
@@ -157,7 +183,8 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
         eos_ids.add(tokenizer.eos_token_id)
     weights_bytes, fmt = resident_bytes(net), weights_format(net)
     if source is not None:  # the quantized layers are what runs: nothing to pack
-        return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, 0, fmt)
+        dequantized = dequantized_bytes(net, dtype)
+        return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, 0, fmt, dequantized)
     if quantization == "int8" and (refusal := int8_refusal(device)) is not None:
         log(refusal)
     elif quantization == "int8":
@@ -166,7 +193,9 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
                 f"int8 weights: {', '.join(kept[:4])}{' …' if len(kept) > 4 else ''} kept as loaded (K not a multiple of 32)"
             )
         pack_for_decode(net)  # its Q8_0 blocks in the decode kernel's tiles, as a GGUF's
-        return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, resident_bytes(net), 0, weights_format(net))
+        return LoadedModel(
+            net, spec, tokenizer, model_dir, eos_ids, resident_bytes(net), 0, weights_format(net), weights_bytes
+        )
     pack_model(net)  # CPU bf16/fp32 only; KVTOP_PACKED_LINEAR=0 keeps nn.Linear
     copy = second_copy_bytes(net)
     return LoadedModel(net, spec, tokenizer, model_dir, eos_ids, weights_bytes, copy, fmt)

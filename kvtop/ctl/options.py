@@ -45,7 +45,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (str, typer.Option(help="auto | cpu | cuda | cuda:N.", rich_help_panel=_P)),
     "kv_cache_memory": (
         str | None,
-        typer.Option(help="KV cache size, e.g. 256MiB, 2GiB (default 256MiB on CPU).", rich_help_panel=_P),
+        typer.Option(
+            help="KV cache size, e.g. 256MiB, 2GiB (default on CPU: 256MiB plus what quantized weights save).",
+            rich_help_panel=_P,
+        ),
     ),
     "gpu_memory_utilization": (
         float,

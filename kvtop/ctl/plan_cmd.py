@@ -11,7 +11,14 @@ from rich.table import Table
 
 from kvtop.ctl.options import JsonFlag
 from kvtop.planning import Plan, plan
-from kvtop.protocol.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, format_bytes, parse_size
+from kvtop.protocol.config import (
+    CPU_DEFAULT_KV_MEMORY,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    format_bytes,
+    parse_size,
+)
 
 QuantizationOption = Annotated[
     str,
@@ -74,6 +81,7 @@ def plan_command(
     if as_json:
         body = dataclasses.asdict(p)
         body["gqa_saving"] = p.gqa_saving
+        body["cpu_auto_kv_bytes"] = p.cpu_auto_kv_bytes
         print(json.dumps(body, indent=2))
     else:
         print_plan(p)
@@ -123,7 +131,9 @@ def print_plan(p: Plan) -> None:
     if p.weights_format != p.dtype:  # blocks (a GGUF's, or int8's): held so on the CPU only
         out.print(
             f"Weights counted as the CPU holds them ({p.weights_format}); on a GPU the engine de-quantizes "
-            f"them to {p.dtype}: plan that with --quantization none.",
+            f"them to {p.dtype}: plan that with --quantization none. On the CPU, with no --kv-cache-memory, "
+            f"the engine's KV gets {format_bytes(CPU_DEFAULT_KV_MEMORY)} + the {format_bytes(p.bytes_saved)} "
+            f"they save = {format_bytes(p.cpu_auto_kv_bytes)} (at most half the memory free at its start).",
             highlight=False,
         )
     out.print(

@@ -18,6 +18,10 @@ from pathlib import Path
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.paths import cache_dir
 
+# The KV cache's `auto` size on the CPU before what quantized weights save is added (the engine's
+# engine/runtime/devices.py; `kvctl plan` says what it comes to)
+CPU_DEFAULT_KV_MEMORY = 256 * 1024**2
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
@@ -60,7 +64,7 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
-    kv_cache_memory: int | str | None = None  # bytes or "256MiB"; default 256MiB on CPU
+    kv_cache_memory: int | str | None = None  # bytes or "256MiB"; CPU default 256MiB + what quantized weights save
     gpu_memory_utilization: float = 0.9  # GPU only, used when kv_cache_memory is unset
     block_size: int = 16
     max_num_seqs: int = 64
