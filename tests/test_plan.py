@@ -114,11 +114,13 @@ def test_the_cpu_auto_kv_gets_what_quantized_weights_save_as_the_plan_says():
     assert p.bytes_saved > 400 * 1024**2
     quantized = LLM("smollm2-135m", dtype="float32", quiet=True)  # quantization auto: the blocks
     assert quantized.engine.kv_budget == p.cpu_auto_kv_bytes
-    kv = quantized.stats()["kv"]
+    kv, quantized_weights = quantized.stats()["kv"], quantized.stats()["memory"]["weights"]
     assert kv["num_blocks"] == p.cpu_auto_kv_bytes // (kv["bytes_per_token"] * kv["block_size"])
     assert "(auto: 256.0 MiB + 421.0 MiB the weights' blocks save)" in quantized.engine.summary()
     del quantized
     dense = LLM("smollm2-135m", dtype="float32", quantization="none", quiet=True)
+    assert p.bytes_saved == p.parameters * 4 - quantized_weights  # the plan's saving: float32 less the blocks
+    assert dense.stats()["memory"]["weights"] == p.parameters * 4  # ... is what the de-quantized load holds
     assert dense.engine.kv_budget == CPU_DEFAULT_KV_MEMORY and "blocks save" not in dense.engine.summary()
     assert dense.stats()["kv"]["num_blocks"] == 364  # 5,824 tokens, as before
 

@@ -14,6 +14,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
+from engine.model.loader import dequantized_bytes
 from engine.model.quant_linear import KERNEL_FORMATS, QuantEmbedding, QuantLinear, gemv_rows, kernel_available
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.sizing import GGUF_BLOCKS
@@ -359,6 +360,8 @@ def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_
     quantized_tokens = [o.token_ids for o in quant.generate(prompts, params)]
     dense = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory="64MiB", quiet=True)
     assert [o.token_ids for o in dense.generate(prompts, params)] == quantized_tokens
+    # what the KV's auto size counts as saved: the blocks against what the de-quantized load holds
+    assert dequantized_bytes(net, torch.float32) == dense.stats()["memory"]["weights"]
 
 
 @pytest.mark.slow
