@@ -23,6 +23,7 @@ import uvicorn
 
 from engine.drain import EngineState
 from engine.model.packed_linear import weights_note
+from engine.runtime.devices import kv_budget_note
 from engine.runtime.log import log
 from engine.runtime.openmp import release_thread_pool
 from engine.runtime.warmup import warm_up
@@ -63,7 +64,8 @@ def startup_summary(
         f"kvtop serve: model {name} ({spec.model_type}, {spec.num_layers} layers) on {engine.device}, "
         f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attention_backend}",
         f"  KV cache  {kv.kv_cache_dtype}: {kv.bytes_per_token} B/token, {kv.num_blocks} blocks × {kv.block_size} "
-        f"= {cap} tokens in {format_bytes(kv.total_bytes)}; max_model_len {engine.max_model_len}, "
+        f"= {cap} tokens in {format_bytes(kv.total_bytes)}{kv_budget_note(engine.config, engine.device, engine.kv_budget)}; "
+        f"max_model_len {engine.max_model_len}, "
         f"max_num_seqs {engine.config.max_num_seqs}, queue {config.max_queue}",
         *([f"  warning   {w}"] if (w := context_limit_warning(engine.max_model_len, cap)) else []),
         f"  weights   {weights_note(engine.weights_format, engine.weights_bytes, engine.prefill_copy_bytes)}",
