@@ -132,8 +132,8 @@ def weights_format(net: torch.nn.Module) -> str:
 
 
 def dequantized_bytes(net: torch.nn.Module, dtype: torch.dtype) -> int:
-    """The weights' bytes were every block de-quantized to `dtype` (a tensor held in two places, as a
-    tied embedding's blocks, counted once); the other tensors as they are held."""
+    """What the weights would take with every block de-quantized to `dtype` (a tensor held in two
+    places, as a tied embedding's blocks, counted once; the other tensors as they are held)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes: dict[int, int] = {}
     for module in net.modules():
