@@ -10,10 +10,12 @@ de-quantized directory's; `"int8"` makes any checkpoint's projections and head Q
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import quant_shape_from_byte_shape
 
 from engine.errors import ModelLoadError
@@ -46,7 +48,7 @@ class LoadedModel:
     @property
     def bytes_saved(self) -> int:
         """What the weights' blocks save against the same weights de-quantized (0 when held as loaded)."""
-        return max(0, self.dequantized_bytes - self.weights_bytes) if self.dequantized_bytes else 0
+        return max(0, self.dequantized_bytes - self.weights_bytes)
 
 
 def read_config_fields(model: str) -> dict:
@@ -120,14 +122,21 @@ def gguf_file(model: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def held_tensors(net: torch.nn.Module) -> Iterator[tuple[torch.Tensor, GGMLQuantizationType | None]]:
+    """Every parameter and buffer with its block format: a quantized layer's uint8 blocks give their
+    GGUF type, anything else None (a tensor held in two places comes once per holder)."""
+    for module in net.modules():
+        fmt = getattr(module, "fmt", None)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            yield tensor, fmt if tensor.dtype == torch.uint8 else None
+
+
 def weights_format(net: torch.nn.Module) -> str:
     """The formats the weights are held in, most bytes first: "Q4_1, Q8_0, float32"."""
     by_format: dict[str, int] = {}
-    for module in net.modules():
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            name = getattr(module, "fmt", None) if tensor.dtype == torch.uint8 else None
-            key = name.name if name is not None else str(tensor.dtype).removeprefix("torch.")
-            by_format[key] = by_format.get(key, 0) + tensor.numel() * tensor.element_size()
+    for tensor, fmt in held_tensors(net):
+        key = fmt.name if fmt is not None else str(tensor.dtype).removeprefix("torch.")
+        by_format[key] = by_format.get(key, 0) + tensor.numel() * tensor.element_size()
     return ", ".join(sorted(by_format, key=by_format.__getitem__, reverse=True))
 
 
@@ -136,14 +145,11 @@ def dequantized_bytes(net: torch.nn.Module, dtype: torch.dtype) -> int:
     places, as a tied embedding's blocks, counted once; the other tensors as they are held)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes: dict[int, int] = {}
-    for module in net.modules():
-        fmt = getattr(module, "fmt", None)
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            if fmt is not None and tensor.dtype == torch.uint8:  # [N, row bytes] blocks: N × K values
-                shape = quant_shape_from_byte_shape(tuple(tensor.shape), fmt)
-                sizes[id(tensor)] = math.prod(shape) * itemsize
-            else:
-                sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+    for tensor, fmt in held_tensors(net):
+        if fmt is not None:  # [N, row bytes] blocks: N × K values
+            sizes[id(tensor)] = math.prod(quant_shape_from_byte_shape(tuple(tensor.shape), fmt)) * itemsize
+        else:
+            sizes[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(sizes.values())
 
 
