@@ -107,10 +107,11 @@ _kvctl_complete() {
                 --gpu-memory-utilization) COMPREPLY=(); return 0 ;;
                 --block-size) COMPREPLY=(); return 0 ;;
                 --quantization) COMPREPLY=(); return 0 ;;
+                --device) COMPREPLY=(); return 0 ;;
                 --context) COMPREPLY=(); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --quantization --context --json --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--dtype --kv-cache-memory --memory --gpu-memory-utilization --block-size --quantization --device --context --json --help" -- "$cur") )
             fi
             ;;
         record)

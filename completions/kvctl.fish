@@ -89,6 +89,7 @@ complete -c kvctl -n '__fish_seen_subcommand_from plan' -l memory -x -d 'Device 
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l gpu-memory-utilization -x -d 'With --memory, the share the engine may use the rest is headroom vLLMs.'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l block-size -x -d 'Tokens per KV block.'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l quantization -x -d 'auto / none / int8, a GGUFs weights counted in their Q4/Q8 blocks as the engine '
+complete -c kvctl -n '__fish_seen_subcommand_from plan' -l device -x -d 'cpu / cuda, where the engine runs, which decides how a GGUFs weights are held bl'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l context -x -d 'Context lengths for max concurrent sequences, e.g.'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l json -d 'Print JSON for scripts.'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l help -d 'Show help and exit.'

@@ -29,6 +29,7 @@ from kvtop.protocol.sizing import (
 
 PLAN_KV_DTYPES = KV_CACHE_DTYPES  # the engine's own: `auto` is the model's 16-bit dtype
 GPU_MEMORY_UTILIZATION = EngineConfig.gpu_memory_utilization  # vLLM's default: the share the engine may take
+PLAN_DEVICES = ("cpu", "cuda")  # where the planned engine runs: it decides how a GGUF's weights are held
 
 
 class PlanError(ConfigError):
@@ -83,6 +84,8 @@ class Plan:
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     warnings: list[str] = field(default_factory=list)
     weights_format: str = ""  # the dtype, or a GGUF file's block formats kept quantized: "Q4_1, Q8_0, float32"
+    device: str = "cpu"
+    dequantized_on_device: bool = False  # blocks the CPU would keep, de-quantized here (a GPU's engine does)
 
     @property
     def gqa_saving(self) -> float:
@@ -158,16 +161,17 @@ def plan(
     kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     quantization: str = EngineConfig.quantization,
+    device: str = "cpu",
 ) -> Plan:
     """Figures for a KV budget given directly (`kv_cache_memory`), or as what `memory` × utilization
     leaves after the weights, or both (the KV budget, checked against the memory). Raises PlanError
     where the weights or the budget do not fit. A GGUF's weights count as the engine holds them on
-    the CPU: with `quantization` auto its blocks in the kernel's formats (sizing.GGUF_BLOCKS) as they are,
-    with none de-quantized."""
+    `device`: on the CPU, with `quantization` auto, its blocks in the kernel's formats
+    (sizing.GGUF_BLOCKS) as they are, with none de-quantized; on a GPU (cuda) always de-quantized to
+    `dtype`, as the engine loads them there (int8 too: it keeps the weights as loaded)."""
     shape = shape_from_config(config_for(model))
     params = parameter_count(shape)
-    tensors = gguf_weight_tensors(model, shape, quantization)
-    weights, weights_format = held_weights(tensors, dtype) if tensors else (params * ELEMENT_BYTES[dtype], dtype)
+    weights, weights_format, dequantized_on_device = device_weights(model, shape, dtype, quantization, device)
     kv_memory = kv_budget(weights, kv_cache_memory, memory, gpu_memory_utilization)
     contexts = contexts or [shape.max_position_embeddings]
     options = [_kv_option(shape, kvd, dtype, kv_memory, block_size, contexts) for kvd in kv_dtypes]
@@ -201,7 +205,20 @@ def plan(
         gpu_memory_utilization=gpu_memory_utilization,
         warnings=warnings,
         weights_format=weights_format,
+        device=device,
+        dequantized_on_device=dequantized_on_device,
     )
+
+
+def device_weights(model: str, shape: ModelShape, dtype: str, quantization: str, device: str) -> tuple[int, str, bool]:
+    """The weights' bytes and format as the engine holds them on `device`, and whether blocks the CPU
+    would keep are de-quantized there (a GPU's engine runs no quantized kernel)."""
+    if device not in PLAN_DEVICES:
+        raise PlanError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}")
+    tensors = gguf_weight_tensors(model, shape, quantization)
+    if tensors and device == "cpu":
+        return (*held_weights(tensors, dtype), False)
+    return parameter_count(shape) * ELEMENT_BYTES[dtype], dtype, bool(tensors)
 
 
 def gguf_weight_tensors(model: str, shape: ModelShape, quantization: str) -> list[tuple[str, int]] | None:

@@ -96,14 +96,27 @@ def test_plan_flags_a_context_beyond_the_models_positions_and_takes_utilization(
 
 @pytest.mark.integration  # a kvctl or Python process: start-up seconds each
 def test_plan_counts_the_default_models_blocks_and_says_a_gpu_would_dequantize_them():
-    """The default (--quantization auto) counts a GGUF's weights as the CPU holds them; a GPU operator
-    reading the plan is told that the engine there de-quantizes, and how to plan that."""
+    """The default (--quantization auto, --device cpu) counts a GGUF's weights as the CPU holds them; a
+    GPU operator reading the plan is told that the engine there de-quantizes, and how to plan that:
+    --device cuda counts them de-quantized, and the KV gets what that leaves."""
     blocks = " ".join(_plan("smollm2-135m", "--memory", "8GiB").stdout.split())
     assert "92.0 MiB of Q4_1, Q8_0, bfloat16 weights" in blocks
-    assert "on a GPU the engine de-quantizes them to bfloat16: plan that with --quantization none" in blocks
+    assert "on a GPU the engine de-quantizes them to bfloat16: plan that with --device cuda" in blocks
     dense = " ".join(_plan("smollm2-135m", "--memory", "8GiB", "--quantization", "none").stdout.split())
     assert "of bfloat16 weights" in dense and "de-quantizes" not in dense
     assert "the engine's KV gets 256.0 MiB + the 164.5 MiB they save = 420.5 MiB" in blocks
+    gpu = _plan("smollm2-135m", "--memory", "8GiB", "--device", "cuda")
+    assert "Weights counted in bfloat16, as the engine holds them on cuda" in " ".join(gpu.stdout.split())
+    cpu_json = json.loads(_plan("smollm2-135m", "--memory", "8GiB", "--json").stdout)
+    gpu_json = json.loads(_plan("smollm2-135m", "--memory", "8GiB", "--device", "cuda", "--json").stdout)
+    assert gpu_json["weights_bytes"] == gpu_json["parameters"] * 2 > cpu_json["weights_bytes"]
+    assert (
+        gpu_json["kv_memory_bytes"]
+        == cpu_json["kv_memory_bytes"] - gpu_json["weights_bytes"] + cpu_json["weights_bytes"]
+    )
+    assert gpu_json["cpu_auto_kv_bytes"] is None and cpu_json["cpu_auto_kv_bytes"] > 0
+    bad = _plan("smollm2-135m", "--device", "tpu")
+    assert bad.returncode == 1 and bad.stderr.strip() == "kvctl: --device 'tpu' is not one of cpu, cuda"
 
 
 def test_the_cpu_auto_kv_gets_what_quantized_weights_save_as_the_plan_says(monkeypatch):

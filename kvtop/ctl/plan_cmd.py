@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtop.ctl.options import JsonFlag
-from kvtop.planning import Plan, plan
+from kvtop.planning import PLAN_DEVICES, Plan, plan
 from kvtop.protocol.config import (
     CPU_DEFAULT_KV_MEMORY,
     KV_CACHE_DTYPES,
@@ -24,7 +24,15 @@ QuantizationOption = Annotated[
     str,
     typer.Option(
         help=f"{' | '.join(QUANTIZATIONS)}: a GGUF's weights counted in their Q4/Q8 blocks as the engine "
-        "holds them on the CPU (auto), de-quantized to --dtype (none), or any model's made Q8_0 at load (int8)."
+        "holds them on the CPU (auto), de-quantized to --dtype (none), or any model's made Q8_0 at load (int8). "
+        "On --device cuda the weights are always counted in --dtype: the engine de-quantizes there."
+    ),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        help=f"{' | '.join(PLAN_DEVICES)}: where the engine runs, which decides how a GGUF's weights are held "
+        "(blocks on the CPU, de-quantized on a GPU)."
     ),
 ]
 
@@ -49,6 +57,7 @@ def plan_command(
     ] = EngineConfig.gpu_memory_utilization,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     quantization: QuantizationOption = EngineConfig.quantization,
+    device: DeviceOption = "cpu",
     context: Annotated[
         str | None, typer.Option(help="Context lengths for max concurrent sequences, e.g. 2048,8192,32768.")
     ] = None,
@@ -77,11 +86,12 @@ def plan_command(
         kv_dtypes=KV_CACHE_DTYPES,
         gpu_memory_utilization=gpu_memory_utilization,
         quantization=quantization,
+        device=device,
     )  # PlanError (weights or budget do not fit): one line and exit 1, from kvctl's main
     if as_json:
         body = dataclasses.asdict(p)
         body["gqa_saving"] = p.gqa_saving
-        body["cpu_auto_kv_bytes"] = p.cpu_auto_kv_bytes
+        body["cpu_auto_kv_bytes"] = p.cpu_auto_kv_bytes if p.device == "cpu" else None
         print(json.dumps(body, indent=2))
     else:
         print_plan(p)
@@ -131,9 +141,15 @@ def print_plan(p: Plan) -> None:
     if p.weights_format != p.dtype:  # blocks (a GGUF's, or int8's): held so on the CPU only
         out.print(
             f"Weights counted as the CPU holds them ({p.weights_format}); on a GPU the engine de-quantizes "
-            f"them to {p.dtype}: plan that with --quantization none. On the CPU, with no --kv-cache-memory, "
+            f"them to {p.dtype}: plan that with --device cuda. On the CPU, with no --kv-cache-memory, "
             f"the engine's KV gets {format_bytes(CPU_DEFAULT_KV_MEMORY)} + the {format_bytes(p.bytes_saved)} "
             f"they save = {format_bytes(p.cpu_auto_kv_bytes)} (at most half the memory free at its start).",
+            highlight=False,
+        )
+    if p.dequantized_on_device:
+        out.print(
+            f"Weights counted in {p.dtype}, as the engine holds them on {p.device}: it de-quantizes the blocks "
+            "the CPU would keep (plan those with --device cpu).",
             highlight=False,
         )
     out.print(
