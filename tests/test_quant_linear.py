@@ -327,6 +327,17 @@ def test_q4_k_and_q6_k_tensors_load_quantized_and_compute_the_files_values(smoll
             assert ((down(rows).double() - expected).abs() / scale).max() < 1e-5
 
 
+def tiny_q4_k_m(tmp_path):
+    """benchmarks/random_gguf.py's tiny Q4_K_M file, written under tmp_path."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    script = ["benchmarks/random_gguf.py", "--shape", "tiny", "--out", str(path)]
+    subprocess.run([sys.executable, *script], check=True, capture_output=True, timeout=300)
+    return path
+
+
 @pytest.mark.slow
 @needs_kernel
 def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_what_it_does(
@@ -336,15 +347,10 @@ def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_
     attn_v and ffn_down): with quantization auto every projection stays in its blocks — a q/k/v whose
     v is Q6_K as three parts — the weights take about the file's tensor bytes, and the config comes
     from the file without de-quantizing it; the greedy tokens are those of transformers' de-quantized
-    conversion of the same file."""
-    import subprocess
-    import sys
-
+    load of the same file (its values transformers' conversion's: the next test)."""
     from engine.model.quant_linear import StackedLinear
 
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    script = ["benchmarks/random_gguf.py", "--shape", "tiny", "--out", str(path)]
-    subprocess.run([sys.executable, *script], check=True, capture_output=True, timeout=300)
+    path = tiny_q4_k_m(tmp_path)
     tensor_bytes = gguf_tensor_bytes(path)
     prompts = ["Hello there, how are", "The capital of France is", "1, 2, 3,"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -362,6 +368,34 @@ def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_
     assert [o.token_ids for o in dense.generate(prompts, params)] == quantized_tokens
     # what the KV's auto size counts as saved: the blocks against what the de-quantized load holds
     assert dequantized_bytes(net, torch.float32) == dense.stats()["memory"]["weights"]
+
+
+@pytest.mark.slow
+def test_a_gguf_file_loads_dequantized_a_tensor_at_a_time_with_transformers_values(tmp_path, capfd):
+    """`quantization="none"` on a GGUF file de-quantizes its tensors one projection at a time from the
+    file — transformers' conversion holds every tensor in float32 at once, 32 GB for an 8B file, more
+    than the 24 GiB machine has — to the values of that conversion, bit for bit, and writes none."""
+    from engine.model.gguf import convert_gguf, describe_gguf
+    from engine.model.gguf_quant import load_quantized
+    from engine.model.llama import CausalLM
+    from engine.model.loader import _read_weights
+    from engine.model.spec import read_spec
+
+    path = tiny_q4_k_m(tmp_path)
+    dense = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory="16MiB", quiet=True)
+    err = capfd.readouterr().err
+    assert "converting" not in err, err
+    assert dense.engine.weights_format == "float32"
+    assert dense.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+    spec, _ = read_spec(describe_gguf(path))
+    ours = load_quantized(path, spec, torch.float32, dequantize_all=True).state_dict()
+    with torch.device("meta"):
+        reference = CausalLM(spec)
+    reference = reference.to_empty(device="cpu")
+    reference.load_hf_state_dict(_read_weights(convert_gguf(path, tmp_path / "converted")))
+    expected = reference.state_dict()
+    assert set(ours) == set(expected)
+    assert all(torch.equal(ours[name], expected[name]) for name in expected)
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ are the file's tensors' rows stacked (q, k, v; gate, up), with llama.cpp's permu
 rows undone as transformers undoes it, so the numbers are the de-quantized model's exactly.
 
 A tensor in a format our kernel does not run (Q5_0, Q5_K, F16…) is de-quantized (one line names the
-tensor and its type): never a refusal. A fused projection whose parts differ in format (Q4_K_M's
+tensor and its type): never a refusal. `dequantize_all` de-quantizes every tensor, one projection at a
+time, to the model's dtype: the de-quantized model (`quantization="none"`, or a GPU) without
+transformers' conversion, which holds every tensor in float32 at once (an 8B file: 32 GB). A fused projection whose parts differ in format (Q4_K_M's
 v in Q6_K beside q and k in Q4_K) is a `StackedLinear` of its parts, each quantized; de-quantized
 whole only where a part's format has no kernel.
 """
@@ -44,6 +46,7 @@ from kvtop.protocol.paths import cache_dir
 # the GGUF architectures whose tensors map onto our decoder as llama's do
 ARCHITECTURES = ("llama",)
 FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+DEQUANTIZE_CHUNK = 1 << 24  # values de-quantized at once (64 MB in float32)
 
 
 @dataclass
@@ -123,14 +126,21 @@ def _blocks(data: np.memmap, tensor: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(raw).view(rows, -1)
 
 
-def _floats(data: np.memmap, tensor: TensorEntry) -> torch.Tensor:
-    """A tensor of any format de-quantized to float32, [rows, K] (or [K] for a vector)."""
+def _values(data: np.memmap, tensor: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of any format de-quantized to `dtype`, [rows, K] (or [K] for a vector), a chunk of rows
+    at a time: the `gguf` package's de-quantization makes several float32 temporaries of what it is
+    given (an 8B file's embedding at once: ~4 GB on top of the weights)."""
     k = tensor.shape[0]
-    if tensor.fmt == GGMLQuantizationType.F32:
-        values = _blocks(data, tensor).view(torch.float32)
-    else:
-        values = dequantize(_blocks(data, tensor), tensor.fmt, k)
-    return values.reshape(-1, k) if len(tensor.shape) > 1 else values.reshape(k)
+    blocks = _blocks(data, tensor)
+    out = torch.empty(blocks.shape[0], k, dtype=dtype)
+    step = max(1, DEQUANTIZE_CHUNK // k)
+    for r in range(0, blocks.shape[0], step):
+        chunk = blocks[r : r + step]
+        if tensor.fmt == GGMLQuantizationType.F32:
+            out[r : r + step] = chunk.view(torch.float32)
+        else:
+            out[r : r + step] = dequantize(chunk, tensor.fmt, k)
+    return out if len(tensor.shape) > 1 else out.reshape(k)
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -143,8 +153,8 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 class GGUFWeights:
     """The file's tensors by name, taken out as they are used."""
 
-    def __init__(self, path: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
-        self.path, self.spec, self.dtype = path, spec, dtype
+    def __init__(self, path: Path, spec: ModelSpec, dtype: torch.dtype, dequantize_all: bool = False) -> None:
+        self.path, self.spec, self.dtype, self.dequantize_all = path, spec, dtype, dequantize_all
         self.tensors = dict(read_index(path).tensors)
         self.data = np.memmap(path, dtype=np.uint8, mode="r")
         self.dequantized: list[str] = []  # "name (TYPE)" of the tensors we do not run quantized
@@ -156,7 +166,7 @@ class GGUFWeights:
             raise ModelLoadError(f"{self.path.name} has no tensor {name!r}") from None
 
     def vector(self, name: str) -> nn.Parameter:
-        return nn.Parameter(_floats(self.data, self.take(name)).to(self.dtype), requires_grad=False)
+        return nn.Parameter(_values(self.data, self.take(name), self.dtype), requires_grad=False)
 
     def linear(self, names: list[str], permute: dict[str, int] | None = None) -> nn.Module:
         """One projection from the file's tensors `names`, rows stacked in that order; `permute`:
@@ -168,26 +178,31 @@ class GGUFWeights:
         fix: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, rows: (  # noqa: E731
             _unpermute(rows, permute[name]) if name in permute else rows
         )
-        if len(formats) == 1 and (fmt := formats.pop()) in KERNEL_FORMATS:
-            blocks = torch.cat([fix(name, _blocks(self.data, p)) for name, p in zip(names, parts, strict=True)])
-            return QuantLinear(blocks, fmt, k)
-        if all(p.fmt in KERNEL_FORMATS for p in parts):  # each part quantized in its own format
-            return StackedLinear(
-                [QuantLinear(fix(name, _blocks(self.data, p)), p.fmt, k) for name, p in zip(names, parts, strict=True)]
-            )
-        self.dequantized += [f"{p.name} ({p.fmt.name})" for p in parts if p.fmt not in FLOATS]
-        weight = torch.cat([fix(name, _floats(self.data, p)) for name, p in zip(names, parts, strict=True)])
+        if not self.dequantize_all:
+            if len(formats) == 1 and (fmt := formats.pop()) in KERNEL_FORMATS:
+                blocks = torch.cat([fix(name, _blocks(self.data, p)) for name, p in zip(names, parts, strict=True)])
+                return QuantLinear(blocks, fmt, k)
+            if all(p.fmt in KERNEL_FORMATS for p in parts):  # each part quantized in its own format
+                return StackedLinear(
+                    [
+                        QuantLinear(fix(name, _blocks(self.data, p)), p.fmt, k)
+                        for name, p in zip(names, parts, strict=True)
+                    ]
+                )
+            self.dequantized += [f"{p.name} ({p.fmt.name})" for p in parts if p.fmt not in FLOATS]
+        weight = torch.cat([fix(name, _values(self.data, p, self.dtype)) for name, p in zip(names, parts, strict=True)])
         linear = nn.Linear(k, weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight.to(self.dtype), requires_grad=False)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
         return linear
 
     def leftovers(self) -> list[str]:
         return [name for name in self.tensors if not name.endswith("rope_freqs.weight")]
 
 
-def load_quantized(path: Path, spec: ModelSpec, dtype: torch.dtype) -> CausalLM:
-    """The model with its weights from the GGUF file at `path`, kept in their block formats."""
-    weights = GGUFWeights(path, spec, dtype)
+def load_quantized(path: Path, spec: ModelSpec, dtype: torch.dtype, dequantize_all: bool = False) -> CausalLM:
+    """The model with its weights from the GGUF file at `path`, kept in their block formats (all
+    de-quantized to `dtype` with `dequantize_all`: the values of transformers' conversion, bit for bit)."""
+    weights = GGUFWeights(path, spec, dtype, dequantize_all)
     with torch.device("meta"):
         net = CausalLM(spec)
     h, kv = spec.num_heads, spec.num_kv_heads
@@ -219,6 +234,14 @@ def _load_embedding_and_head(net: CausalLM, weights: GGUFWeights, spec: ModelSpe
     head's blocks when tied (held once), in its own blocks otherwise."""
     tied = spec.tie_word_embeddings or "output.weight" not in weights.tensors
     embed = weights.take("token_embd.weight")
+    if weights.dequantize_all:  # as the HF checkpoint's load leaves them: no logits_head until packing
+        net.embed_tokens = nn.Embedding.from_pretrained(_values(weights.data, embed, dtype), freeze=True)
+        net.lm_head = None if tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device="meta")
+        if net.lm_head is not None:
+            head = _values(weights.data, weights.take("output.weight"), dtype)
+            net.lm_head.weight = nn.Parameter(head, requires_grad=False)
+        net.logits_head = None
+        return
     if tied:
         head = embed
     else:
@@ -234,6 +257,6 @@ def _load_embedding_and_head(net: CausalLM, weights: GGUFWeights, spec: ModelSpe
     elif tied:
         net.embed_tokens = nn.Embedding.from_pretrained(net.logits_head.weight, freeze=True)
     elif embed.fmt in FLOATS:
-        net.embed_tokens = nn.Embedding.from_pretrained(_floats(weights.data, embed).to(dtype), freeze=True)
+        net.embed_tokens = nn.Embedding.from_pretrained(_values(weights.data, embed, dtype), freeze=True)
     else:
         net.embed_tokens = QuantEmbedding(_blocks(weights.data, embed), embed.fmt, spec.hidden_size, dtype)

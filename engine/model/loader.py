@@ -2,8 +2,9 @@
 
 GGUF files are converted once into an HF directory under the cache (`engine.model.gguf`); the
 shape of a model is `engine.model.spec`. With `quantization="auto"` (the default) a GGUF file's
-weights load from the file in their block formats (`engine.model.gguf_quant`); `"none"` loads the
-de-quantized directory's; `"int8"` makes any checkpoint's projections and head Q8_0 blocks at load
+weights load from the file in their block formats (`engine.model.gguf_quant`); `"none"` (or a device
+without the quantized kernels) de-quantizes them from the file a tensor at a time (a known model's,
+or another architecture's, loads the converted directory's); `"int8"` makes any checkpoint's projections and head Q8_0 blocks at load
 (`engine.model.int8_weights`).
 """
 
@@ -21,7 +22,7 @@ from gguf.quants import quant_shape_from_byte_shape
 from engine.errors import ModelLoadError
 from engine.model import default
 from engine.model.gguf import convert_gguf, describe_gguf
-from engine.model.gguf_quant import load_quantized, quantized_load_refusal
+from engine.model.gguf_quant import ARCHITECTURES, load_quantized, quantized_load_refusal, read_index
 from engine.model.int8_weights import int8_refusal, quantize_int8
 from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
@@ -122,6 +123,16 @@ def gguf_file(model: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def per_tensor_gguf(model: str) -> Path | None:
+    """A GGUF file (not a known model's, whose conversion is shared) that loads de-quantized tensor by
+    tensor (engine.model.gguf_quant) rather than through transformers' conversion: one of the
+    architectures whose tensors map onto our decoder."""
+    path = Path(model).expanduser()
+    if model in default.KNOWN_MODELS or path.suffix != ".gguf" or not path.is_file():
+        return None
+    return path if read_index(path).architecture in ARCHITECTURES else None
+
+
 def held_tensors(net: torch.nn.Module) -> Iterator[tuple[torch.Tensor, GGMLQuantizationType | None]]:
     """Every parameter and buffer with its block format: a quantized layer's uint8 blocks give their
     GGUF type, anything else None (a tensor held in two places comes once per holder)."""
@@ -165,14 +176,17 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
     if source is not None and (refusal := quantized_load_refusal(source, device)):
         log(refusal)
         source = None
-    # a GGUF file loaded quantized needs only its config and tokenizer beside it, never the
+    dense_file = None if source is not None else per_tensor_gguf(model)
+    # a GGUF file read here needs only its config and tokenizer beside it, never transformers'
     # de-quantized copy (a known model's conversion exists already: every path shares it)
-    quantized_file = source is not None and model not in default.KNOWN_MODELS
-    model_dir = describe_gguf(source) if quantized_file else resolve_model_dir(model)
+    own_file = (source is not None and model not in default.KNOWN_MODELS) or dense_file is not None
+    model_dir = describe_gguf(source or dense_file) if own_file else resolve_model_dir(model)
     spec, config = read_spec(model_dir)
     if source is not None:
         net = load_quantized(source, spec, dtype)
         pack_for_decode(net)  # the decode kernel's tiles (csrc/quant_packed.cpp): the same bytes
+    elif dense_file is not None:  # de-quantized a projection at a time, not all of it in float32 at once
+        net = load_quantized(dense_file, spec, dtype, dequantize_all=True).to(device)
     else:
         with torch.device("meta"):
             net = CausalLM(spec)

@@ -285,8 +285,9 @@ def pack_model(model: nn.Module, batch_hint: int = 64) -> bool:
             to_panels(model, PROJECTIONS)
         return False
     done: list[tuple[nn.Module, str]] = []
-    projections = [getattr(layer, name).weight for layer in model.layers for name in PROJECTIONS]
-    large = large_gemm_copy(sum(w.numel() * w.element_size() for w in projections))
+    # summed without holding the weights: a list of them would keep every original alive through the
+    # loop below, twice the weights at its end (an 8B model's 15 GB bf16 would need 30)
+    large = large_gemm_copy(sum(getattr(layer, name).weight.nbytes for layer in model.layers for name in PROJECTIONS))
     try:
         for layer in model.layers:
             for name in PROJECTIONS:
