@@ -11,6 +11,7 @@ or another architecture's, loads the converted directory's); `"int8"` makes any 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +187,10 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
         net = load_quantized(source, spec, dtype)
         pack_for_decode(net)  # the decode kernel's tiles (csrc/quant_packed.cpp): the same bytes
     elif dense_file is not None:  # de-quantized a projection at a time, not all of it in float32 at once
+        log(f"de-quantizing {dense_file.name} to {str(dtype).removeprefix('torch.')}, a tensor at a time…")
+        started = time.monotonic()
         net = load_quantized(dense_file, spec, dtype, dequantize_all=True).to(device)
+        log(f"de-quantized in {time.monotonic() - started:.1f} s")
     else:
         with torch.device("meta"):
             net = CausalLM(spec)
