@@ -148,8 +148,9 @@ def print_plan(p: Plan) -> None:
         )
     if p.dequantized_on_device:
         out.print(
-            f"Weights counted in {p.dtype}, as the engine holds them on {p.device}: it de-quantizes the blocks "
-            "the CPU would keep (plan those with --device cpu).",
+            f"Weights counted in {p.dtype}, as the engine holds them on {p.device}: it runs no quantized kernel "
+            "there, so a GGUF's blocks are de-quantized and --quantization int8 keeps the weights as loaded "
+            "(plan the CPU's blocks with --device cpu).",
             highlight=False,
         )
     out.print(
