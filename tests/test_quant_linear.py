@@ -386,10 +386,11 @@ def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_
 
 
 @pytest.mark.slow
-def test_a_gguf_file_loads_dequantized_a_tensor_at_a_time_with_transformers_values(tmp_path, capfd):
+def test_a_gguf_file_loads_dequantized_a_tensor_at_a_time_with_transformers_values(tmp_path, capfd, monkeypatch):
     """`quantization="none"` on a GGUF file de-quantizes its tensors one projection at a time from the
     file — transformers' conversion holds every tensor in float32 at once, 32 GB for an 8B file, more
-    than the 24 GiB machine has — to the values of that conversion, bit for bit, and writes none."""
+    than the 24 GiB machine has — to the values of that conversion, bit for bit, and writes none; where
+    even the de-quantized weights would not fit, it says so in one line before starting."""
     from engine.model.gguf import convert_gguf, describe_gguf
     from engine.model.gguf_quant import load_quantized
     from engine.model.llama import CausalLM
@@ -411,6 +412,14 @@ def test_a_gguf_file_loads_dequantized_a_tensor_at_a_time_with_transformers_valu
     expected = reference.state_dict()
     assert set(ours) == set(expected)
     assert all(torch.equal(ours[name], expected[name]) for name in expected)
+    # where the de-quantized weights would not fit in the host's memory: one line before any work
+    from engine.errors import ModelLoadError
+    from engine.runtime import devices
+
+    monkeypatch.setattr(devices, "host_memory_available", lambda: 1024**2)
+    with pytest.raises(ModelLoadError, match=r"tiny-q4_k_m.gguf de-quantized to float32 takes .* MiB, more than the "
+                       r"1.0 MiB of memory available: --quantization auto keeps its .* of blocks, --dtype bfloat16"):  # fmt: skip
+        LLM(str(path), dtype="float32", quantization="none", kv_cache_memory="16MiB", quiet=True)
 
 
 @pytest.mark.slow

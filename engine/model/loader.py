@@ -29,7 +29,9 @@ from engine.model.llama import CausalLM
 from engine.model.packed_linear import pack_model, second_copy_bytes
 from engine.model.quant_linear import pack_for_decode
 from engine.model.spec import ModelSpec, config_fields, read_spec
+from engine.runtime import devices
 from engine.runtime.log import log
+from kvtop.protocol.config import format_bytes
 
 
 @dataclass
@@ -134,6 +136,23 @@ def per_tensor_gguf(model: str) -> Path | None:
     return path if read_index(path).architecture in ARCHITECTURES else None
 
 
+def check_dequantized_fits(path: Path, dtype: torch.dtype) -> None:
+    """ModelLoadError, before any work, where the file's tensors de-quantized to `dtype` would not fit
+    in the host's available memory (they are built there, for a GPU too): one line, with what to change,
+    instead of the kernel's OOM kill halfway through."""
+    tensors = read_index(path).tensors.values()
+    need = sum(math.prod(t.shape) for t in tensors) * torch.empty((), dtype=dtype).element_size()
+    available = devices.host_memory_available()
+    if need > available:
+        name = str(dtype).removeprefix("torch.")
+        raise ModelLoadError(
+            f"{path.name} de-quantized to {name} takes {format_bytes(need)}, more than the "
+            f"{format_bytes(available)} of memory available: --quantization auto keeps its "
+            f"{format_bytes(sum(t.n_bytes for t in tensors))} of blocks"
+            + ("" if dtype == torch.bfloat16 else ", --dtype bfloat16 halves it")
+        )
+
+
 def held_tensors(net: torch.nn.Module) -> Iterator[tuple[torch.Tensor, GGMLQuantizationType | None]]:
     """Every parameter and buffer with its block format: a quantized layer's uint8 blocks give their
     GGUF type, anything else None (a tensor held in two places comes once per holder)."""
@@ -187,6 +206,7 @@ def load_model(model: str, dtype: torch.dtype, device: str, quantization: str = 
         net = load_quantized(source, spec, dtype)
         pack_for_decode(net)  # the decode kernel's tiles (csrc/quant_packed.cpp): the same bytes
     elif dense_file is not None:  # de-quantized a projection at a time, not all of it in float32 at once
+        check_dequantized_fits(dense_file, dtype)
         log(f"de-quantizing {dense_file.name} to {str(dtype).removeprefix('torch.')}, a tensor at a time…")
         started = time.monotonic()
         net = load_quantized(dense_file, spec, dtype, dequantize_all=True).to(device)
