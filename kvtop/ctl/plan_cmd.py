@@ -138,23 +138,28 @@ def print_plan(p: Plan) -> None:
     out.print(table)
     for w in p.warnings:
         out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
-    if p.weights_format != p.dtype:  # blocks (a GGUF's, or int8's): held so on the CPU only
-        out.print(
-            f"Weights counted as the CPU holds them ({p.weights_format}); on a GPU the engine de-quantizes "
-            f"them to {p.dtype}: plan that with --device cuda. On the CPU, with no --kv-cache-memory, "
-            f"the engine's KV gets {format_bytes(CPU_DEFAULT_KV_MEMORY)} + the {format_bytes(p.bytes_saved)} "
-            f"they save = {format_bytes(p.cpu_auto_kv_bytes)} (at most half the memory free at its start).",
-            highlight=False,
-        )
-    if p.dequantized_on_device:
-        out.print(
-            f"Weights counted in {p.dtype}, as the engine holds them on {p.device}: it runs no quantized kernel "
-            "there, so a GGUF's blocks are de-quantized and --quantization int8 keeps the weights as loaded "
-            "(plan the CPU's blocks with --device cpu).",
-            highlight=False,
-        )
+    if note := weights_note(p):
+        out.print(note, highlight=False)
     out.print(
         f"GQA: {p.heads} query heads share {p.kv_heads} KV heads, so the KV is {p.gqa_saving:.1f}× smaller "
         f"than the same model with full multi-head KV.",
         highlight=False,
     )
+
+
+def weights_note(p: Plan) -> str | None:
+    """What the plan says of how the weights are held where that depends on the device, or None."""
+    if p.weights_format != p.dtype:  # blocks (a GGUF's, or int8's): held so on the CPU only
+        return (
+            f"Weights counted as the CPU holds them ({p.weights_format}); on a GPU the engine de-quantizes "
+            f"them to {p.dtype}: plan that with --device cuda. On the CPU, with no --kv-cache-memory, "
+            f"the engine's KV gets {format_bytes(CPU_DEFAULT_KV_MEMORY)} + the {format_bytes(p.bytes_saved)} "
+            f"they save = {format_bytes(p.cpu_auto_kv_bytes)} (at most half the memory free at its start)."
+        )
+    if p.dequantized_on_device:
+        return (
+            f"Weights counted in {p.dtype}, as the engine holds them on {p.device}: it runs no quantized kernel "
+            "there, so a GGUF's blocks are de-quantized and --quantization int8 keeps the weights as loaded "
+            "(plan the CPU's blocks with --device cpu)."
+        )
+    return None
