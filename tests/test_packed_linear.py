@@ -177,6 +177,40 @@ def test_a_layer_the_op_refuses_leaves_plain_nn_linear_and_one_log_line(tiny_mod
     assert [o.token_ids for o in llm.generate(prompts, params)] == before
 
 
+def test_packing_lets_each_original_weight_go_before_the_next_is_packed(tiny_models, monkeypatch):
+    """pack_model holds one original projection at a time: when a weight is packed, every one packed
+    before it has been freed (holding them all to the end briefly doubled the weights: an 8B model's
+    15 GB of bf16 needed 30 and was killed on a 24 GiB machine)."""
+    import gc
+    import weakref
+
+    from engine.model import packed_linear as module
+    from engine.model.llama import CausalLM
+    from engine.model.loader import _read_weights
+    from engine.model.spec import read_spec
+
+    monkeypatch.delenv(ENV, raising=False)
+    spec, _ = read_spec(tiny_models["smollm-tied"])
+    with torch.device("meta"):
+        net = CausalLM(spec)
+    net = net.to_empty(device="cpu").to(torch.bfloat16)
+    net.load_hf_state_dict(_read_weights(tiny_models["smollm-tied"]))
+    originals = [weakref.ref(getattr(layer, name).weight) for layer in net.layers for name in PROJECTIONS]
+    alive: list[int] = []
+    real = module.packed_linear
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in originals))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "packed_linear", counting)
+    if not applies(net.embed_tokens.weight):
+        pytest.skip("bf16 packing does not apply on this CPU (no oneDNN bf16)")
+    assert pack_model(net)
+    assert alive[: len(originals)] == [len(originals) - i for i in range(len(originals))]
+
+
 def test_float16_keeps_nn_linear(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="float16", kv_cache_memory="2MiB", quiet=True)
     assert type(llm.engine.model.layers[0].o_proj) is nn.Linear
