@@ -240,8 +240,9 @@ class FakePrometheus(PageHandler):
             if self.drip:
                 self._drip(json.dumps(body).encode())
                 return
+        elif (promql := parse_qs(url.query)["query"][0]) == "time()":  # the instant a round is read at
+            body = {"status": "success", "data": {"resultType": "scalar", "result": [1e9, "1e9"]}}
         else:
-            promql = parse_qs(url.query)["query"][0]
             value = "1" if promql.startswith("count by") else self.value  # the model query counts series
             found = [{"metric": {"instance": "e:8000", "model_name": "m"}, "value": [0, value]}]
             body = {"status": "success", "data": {"resultType": "vector", "result": found if "vllm:" in promql else []}}

@@ -7,7 +7,10 @@ every instance at once (`sum by (instance)`, `rate(…[30s])`, `histogram_quanti
 A round is a fixed number of requests to one server, whatever the fleet's size, each bounded in
 size (MAX_ANSWER_BYTES) and in time as a whole (the timeout, `kvtop/sources/fetch.py`). A figure
 Prometheus answers that no engine can have (NaN, ±Inf, a negative count, a usage above 1) is left
-out of its row, as `MetricsSource` leaves it out of a frame.
+out of its row, as `MetricsSource` leaves it out of a frame. Every query of a round is evaluated at
+one instant, SETTLE_S before Prometheus' own now: queried each at its own now, one figure of a row
+could come from a scrape that landed between two queries and the next from the scrape before it (a
+vLLM's p99 from its new page beside its running count from the old one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ WINDOW = "1m"  # percentiles over the last minute, as the local fleet's (kvtop/s
 RATE = f"{RATE_WINDOW_S:.0f}s"  # rates over the window kvtop's own rates use (kvtop/rates.py)
 MAX_ANSWER_BYTES = 64 * fetch.MiB  # /api/v1/targets of thousands of targets (most not engines) runs to tens of MiB
 FRACTIONS = ("kv_usage", "prefix_hit_rate")  # row fields that are at most 1
+SETTLE_S = 1.0  # a scrape that started before the round's instant has landed by the time it is asked
 
 
 def _any(names: tuple[str, ...], agg: str) -> str:
@@ -96,9 +100,16 @@ class PrometheusFleet:
             raise ValueError(f"Prometheus answered HTTP {r.status_code}: {body.get('error', '')}".rstrip(": "))
         return body["data"]
 
-    def _query(self, promql: str) -> list[tuple[dict, float]]:
-        data = self._get("/api/v1/query", query=promql)
+    def _query(self, promql: str, at: float) -> list[tuple[dict, float]]:
+        data = self._get("/api/v1/query", query=promql, time=f"{at:.3f}")
         return [(s["metric"], float(s["value"][1])) for s in data.get("result", [])]
+
+    def _now(self) -> float:
+        """Prometheus' own clock, in Unix seconds (kvtop's host may keep another time)."""
+        data = self._get("/api/v1/query", query="time()")
+        if not isinstance(data, dict) or data.get("resultType") != "scalar":
+            raise ValueError("Prometheus answered time() with no scalar")
+        return float(data["result"][0])
 
     def poll(self) -> list[Row]:
         """One round; a Prometheus that cannot be asked is one row saying why."""
@@ -111,7 +122,10 @@ class PrometheusFleet:
     def _round(self) -> list[Row]:
         deadline = time.monotonic() + self.timeout + 1.0
         targets = self._get("/api/v1/targets", state="active")["activeTargets"]
-        asked = {(m.kind, f): self._pool.submit(self._query, q) for m in all_mappings() for f, q in queries(m).items()}
+        at = self._now() - SETTLE_S  # one instant for every query of the round: a row is one scrape's
+        asked = {
+            (m.kind, f): self._pool.submit(self._query, q, at) for m in all_mappings() for f, q in queries(m).items()
+        }
         cf.wait(list(asked.values()), timeout=max(0.0, deadline - time.monotonic()))
         found: dict[str, dict] = {}  # instance -> row fields
         for (kind, field), future in asked.items():
