@@ -9,6 +9,7 @@ import contextlib
 import json
 import threading
 import time
+from typing import ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -231,6 +232,7 @@ class FakePrometheus(PageHandler):
 
     value = "0"
     drip = False
+    clock: ClassVar[object] = {"resultType": "scalar", "result": [1e9, "1e9"]}  # what time() answers
 
     def do_GET(self):
         url = urlsplit(self.path)
@@ -241,7 +243,7 @@ class FakePrometheus(PageHandler):
                 self._drip(json.dumps(body).encode())
                 return
         elif (promql := parse_qs(url.query)["query"][0]) == "time()":  # the instant a round is read at
-            body = {"status": "success", "data": {"resultType": "scalar", "result": [1e9, "1e9"]}}
+            body = {"status": "success", "data": self.clock}
         else:
             value = "1" if promql.startswith("count by") else self.value  # the model query counts series
             found = [{"metric": {"instance": "e:8000", "model_name": "m"}, "value": [0, value]}]
@@ -284,6 +286,19 @@ def test_figures_prometheus_answers_that_no_engine_can_have_are_left_out(fake_pr
         assert (row.state, row.kind, row.model) == ("ok", "vllm", "m")
         figures = (row.kv_usage, row.running, row.waiting, row.preemptions_per_s, row.prefix_hit_rate, row.ttft_p99)
         assert figures == (None,) * 6, value  # `-` on the screen, never -5 running or 1e310 %
+
+
+@pytest.mark.integration  # an HTTP server on a real socket
+def test_a_prometheus_whose_clock_answer_is_odd_is_one_unreachable_row(fake_prometheus):
+    odd = ({"resultType": "scalar", "result": []}, {"resultType": "scalar", "result": ["x", "y"]},
+           {"resultType": "vector", "result": []}, {"resultType": "scalar", "result": None}, [])  # fmt: skip
+    for clock in odd:
+        fleet = PrometheusFleet(fake_prometheus(clock=clock), timeout=5.0)
+        try:
+            (row,) = fleet.poll()
+        finally:
+            fleet.close()
+        assert row.state == "unreachable" and row.error.startswith("Prometheus: ValueError"), clock
 
 
 @pytest.mark.integration  # an HTTP server on a real socket

@@ -202,7 +202,7 @@ class GGUFWeights:
             rows = weight[start : start + p.shape[-1]]
             _values(self.data, p, self.dtype, out=rows)
             if name in permute:
-                rows.copy_(fix(name, rows))
+                rows.copy_(_unpermute(rows, permute[name]))
             start += p.shape[-1]
         linear = nn.Linear(k, weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
@@ -249,10 +249,7 @@ def _load_embedding_and_head(net: CausalLM, weights: GGUFWeights, spec: ModelSpe
     embed = weights.take("token_embd.weight")
     if weights.dequantize_all:  # as the HF checkpoint's load leaves them: no logits_head until packing
         net.embed_tokens = nn.Embedding.from_pretrained(_values(weights.data, embed, dtype), freeze=True)
-        net.lm_head = None if tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device="meta")
-        if net.lm_head is not None:
-            head = _values(weights.data, weights.take("output.weight"), dtype)
-            net.lm_head.weight = nn.Parameter(head, requires_grad=False)
+        net.lm_head = None if tied else weights.linear(["output.weight"])
         net.logits_head = None
         return
     if tied:

@@ -107,9 +107,10 @@ class PrometheusFleet:
     def _now(self) -> float:
         """Prometheus' own clock, in Unix seconds (kvtop's host may keep another time)."""
         data = self._get("/api/v1/query", query="time()")
-        if not isinstance(data, dict) or data.get("resultType") != "scalar":
+        result = data.get("result") if isinstance(data, dict) and data.get("resultType") == "scalar" else None
+        if not isinstance(result, list) or len(result) != 2:
             raise ValueError("Prometheus answered time() with no scalar")
-        return float(data["result"][0])
+        return float(result[0])
 
     def poll(self) -> list[Row]:
         """One round; a Prometheus that cannot be asked is one row saying why."""
