@@ -14,12 +14,14 @@ from gguf import GGMLQuantizationType
 from engine import LLM
 from engine.kernels import cpu
 from engine.model.quant_linear import (
+    INT16_FORMATS,
     PACKED_FORMATS,
     QuantEmbedding,
     QuantGateUp,
     QuantLinear,
     gate_up_kernel_available,
     gemv_rows,
+    int16_rows_available,
     kernel_available,
     pack_for_decode,
     packed_kernel_available,
@@ -35,6 +37,7 @@ needs_gate_up = pytest.mark.skipif(
     reason="no AVX512-BF16 here: test_without_avx512_a_gate_up_stays_a_packed_layer_and_the_pair_op_refuses runs",
 )
 GEMV_ROWS = gemv_rows() if kernel_available() else 4
+INT16 = PACKED and int16_rows_available()
 # (N, K): one tile; three tiles (N not a multiple of 32: AMX's last group half empty) and an odd
 # number of 32-blocks; SmolLM2's projections' shapes
 SHAPES = [(16, 32), (48, 96), (576, 160), (192, 576), (576, 1536)]
@@ -67,7 +70,7 @@ def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt
 def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order(fmt, shape):
     """1 to GEMV_ROWS bf16 and fp32 rows against the blocks' exact values (the
     reference's de-quantized fp32 weight, in float64): within the result's rounding, as the file
-    layout's kernel."""
+    layout's kernel — and, where decode rows are int16 (AVX-512 VNNI), within that rounding's bound."""
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=3)
     k = plain.in_features
@@ -83,7 +86,39 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
         assert ((y.double() - exact).abs() / scale).max() < 8e-3
         assert ((y.double() - plain(x).double()).abs() / scale).max() < 8e-3
         exact32 = x.float().double() @ dense.t() + bias.double()  # fp32 rows: within fp32's rounding
-        assert ((packed(x.float()).double() - exact32).abs() / scale).max() < 1e-5
+        error = (packed(x.float()).double() - exact32).abs()
+        if INT16 and fmt in INT16_FORMATS:  # and within the int16 rows' rounding, at most its bound
+            assert (error <= int16_bound(x.float(), dense) + 1e-5 * scale).all()
+            continue
+        assert (error / scale).max() < 1e-5
+
+
+def int16_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The most that rounding x to int16 per block of 32 can move x @ W^T: each value moves at most
+    2^(e - 15), for the block's largest |x| in [2^(e - 1), 2^e), times the column's |weights| there."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    _, e = torch.frexp(blocks.abs().amax(-1))
+    step = torch.ldexp(torch.ones_like(blocks[..., 0]), e - 15)  # [rows, blocks]
+    weight = dense.abs().view(dense.shape[0], -1, 32).sum(-1)  # [N, blocks]
+    return step @ weight.t()
+
+
+@needs_packed
+@pytest.mark.skipif(not INT16, reason="no AVX-512 VNNI here: decode rows stay fp32 (the test above holds them)")
+@pytest.mark.parametrize("fmt", INT16_FORMATS, ids=lambda f: f.name)
+def test_int16_decode_rows_hold_a_bf16_row_and_propagate_nan(fmt):
+    """A bf16 row whose blocks span at most 2^7 holds every value exactly in 16 bits: the int16 rows'
+    result is the fp32 rows' up to summation order; a NaN in a row makes that row's outputs NaN (not a
+    silent zero), the other rows' untouched."""
+    plain, packed = layer_pair(fmt, 48, 256, seed=13)
+    dense = plain.dense_weight().double()
+    signs = torch.randint(0, 2, (2, 256), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    x = (signs * torch.randint(1, 256, (2, 256), generator=torch.Generator().manual_seed(2)) / 64).float()
+    exact = x.double() @ dense.t()
+    assert ((packed(x).double() - exact).abs() / exact.abs().max()).max() < 1e-6
+    x[1, 77] = float("nan")
+    y = packed(x)
+    assert y[1].isnan().all() and not y[0].isnan().any()
 
 
 @needs_packed

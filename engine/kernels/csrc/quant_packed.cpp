@@ -9,6 +9,14 @@
 // lanes. Activations are fp32 (a bf16 row is widened once per call): the results are the blocks'
 // values' products up to summation order, as quant_gemv's are.
 //
+// With AVX-512 VNNI (KVTOP_QUANT_I16), Q4_0, Q4_1, Q4_K and Q8_0 go further: each block of 32 of a
+// row's values is rounded to int16 with one power-of-two scale (quantize_rows says how close), and
+// vpdpwssd multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4, moved into its words by
+// one byte shuffle and a mask) by a pair of those int16 and sums both into int32, exactly: 32
+// products an instruction where the fp32 FMAs above take a shift, a permute and an FMA for 16, so
+// one row runs at what the cache delivers rather than at ports 0 and 5. Each block's integer sum is
+// scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K keeps fp32 rows.
+//
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
 // each of the file's groups along K in turn, 16 columns' worth:
@@ -38,8 +46,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -73,6 +83,15 @@ bool supported() {
 // only; elsewhere a packed gate/up stays a plain packed layer and SiLU-and-mul runs after it.
 bool gate_up_supported() {
 #ifdef KVTOP_QUANT_PACKED
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Up to 4 rows multiply Q4_0, Q4_1, Q4_K and Q8_0 tiles as int16 (quantize_rows): AVX-512 VNNI.
+bool int16_rows() {
+#ifdef KVTOP_QUANT_I16
   return true;
 #else
   return false;
@@ -268,6 +287,22 @@ at::Tensor packed_q8_rows(const at::Tensor& packed, const at::Tensor& ids, int64
   return out;
 }
 
+namespace {
+
+// run(std::integral_constant<int, R>{}) for R = m, 1 to 4 (more: 4): the row count a kernel's
+// registers are laid out for, fixed at compile time.
+template <typename Run>
+inline void by_rows(int64_t m, Run run) {
+  switch (m) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    default: run(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+}  // namespace
+
 #ifdef KVTOP_QUANT_PACKED
 namespace {
 
@@ -366,9 +401,131 @@ void q8_tile_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_
   }
 }
 
-// Tiles [t0, t1) for m rows (1..4) of x fp32; xsum: Q4's per-block sums of x.
-template <int64_t F, typename T>
-void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+inline float block_sum(const float* x) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+}
+
+#ifdef KVTOP_QUANT_I16
+// Rows of x as int16 per block of 32 values, one power-of-two scale a block: 2^(e - 14) for the
+// block's largest |x| in [2^(e - 1), 2^e), so every value is within 2^(e - 15) of x's (16 bits of the
+// block's range; x's products with the weights then sum exactly in int32), a scale times a weight's
+// d is exact, and a value that is a multiple of the scale (a one-hot row, most of a bf16 row's) is
+// held exactly. A block of |x| < 2^-100 is held as zeros; a NaN or an infinity makes the block's scale
+// NaN, so the rows' results are NaN as the fp32 path's would be. Laid out in the pairs a tile's dwords
+// multiply: Q4's dword 4g + j holds elements 8g + j and 8g + j + 4 (its nibbles j and j + 4); Q8_0's
+// dword r elements 2r and 2r + 1 (row r).
+struct RowsI16 {
+  std::vector<int32_t> pairs;  // [M, K / 2]
+  std::vector<float> scale;    // [M, K / 32]
+};
+
+template <int64_t F>
+void quantize_rows(const float* x, int64_t m, int64_t k, RowsI16& out) {
+  alignas(64) static const int16_t q4_order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
+                                                   16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+  const __m512i order = _mm512_load_si512(q4_order);
+  const int64_t blocks = m * (k / kBlock);
+  out.pairs.resize(blocks * kBlock / 2);
+  out.scale.resize(blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m512 lo = _mm512_loadu_ps(x + i * kBlock), hi = _mm512_loadu_ps(x + i * kBlock + 16);
+    const bool nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    int e = 0;
+    std::frexp(amax, &e);
+    float inv = 0.0f;
+    if (nan || std::isinf(amax)) {
+      out.scale[i] = std::numeric_limits<float>::quiet_NaN();
+    } else if (amax < 0x1p-100f) {
+      out.scale[i] = 0.0f;
+    } else {
+      out.scale[i] = std::ldexp(1.0f, e - 14);
+      inv = std::ldexp(1.0f, 14 - e);
+    }
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i words = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)))),
+        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, iv))), 1);
+    _mm512_storeu_si512(out.pairs.data() + i * kBlock / 2, F == kQ8_0 ? words : _mm512_permutexvar_epi16(order, words));
+  }
+}
+
+// Nibbles j and j + 4 of each dword (j = 0..3) as its two words' low bits, the rest garbage above.
+inline __m512i nibble_pairs(__m512i group, int j) {
+  if (j == 0) return group;
+#ifdef __AVX512VBMI__  // a byte shuffle on port 5, leaving port 0 to the multiply-adds
+  const int64_t b = 4 * j;
+  return _mm512_multishift_epi64_epi8(_mm512_set1_epi64(b | (16 + b) << 16 | (32 + b) << 32 | (48 + b) << 48), group);
+#else
+  return _mm512_srli_epi32(group, static_cast<unsigned>(4 * j));
+#endif
+}
+
+// q4_tile_rows above on int16 rows: each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd:
+// a nibble pair times an x pair a lane), then scaled once, d * x's scale, and the offset term as there.
+template <int64_t F, typename T, int R>
+void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t nb,
+                      const float* bias, T* y, int64_t ldy) {
+  const __m512i low4 = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Sub sub = packed_sub<F>(w, t, b, nb);
+    prefetch_block<F>(sub.values);
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g) {
+      const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i q = _mm512_and_si512(nibble_pairs(group, j), low4);
+        for (int r = 0; r < R; ++r)
+          sum[r][j & 1] = _mm512_dpwssd_epi32(sum[r][j & 1], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_mul_ps(sub.d, _mm512_set1_ps(x.scale[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1])), d, acc[r]);
+      macc[r] = _mm512_fmadd_ps(sub.m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], macc[r]), bv));
+}
+
+// q8_tile_rows above on int16 rows: row r of a block's values widened to words is 16 dwords of (element
+// 2r, 2r + 1) of a column, which one vpdpwssd multiplies by the x pair and sums: a lane a column.
+template <typename T, int R>
+void q8_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t nb, const float* bias, T* y,
+                      int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Sub sub = packed_sub<kQ8_0>(w, t, b, nb);
+    prefetch_block<kQ8_0>(sub.values);
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int row = 0; row < 16; ++row) {
+      const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub.values + 32 * row)));
+      for (int r = 0; r < R; ++r)
+        sum[r][row & 1] = _mm512_dpwssd_epi32(sum[r][row & 1], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + row]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_mul_ps(sub.d, _mm512_set1_ps(x.scale[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1])), d, acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(acc[r], bv));
+}
+
+#endif
+
+// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows (const float*), or int16 rows (RowsI16: not for
+// Q6_K) — into y; xsum: Q4's per-block sums of x.
+template <int64_t F, typename X, typename T>
+void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t) {
@@ -381,17 +538,8 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
       else
         q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
     };
-    switch (m) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      default: run(std::integral_constant<int, 4>{}); break;
-    }
+    by_rows(m, run);
   }
-}
-
-inline float block_sum(const float* x) {
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
 }
 
 }  // namespace
@@ -416,12 +564,7 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
         else
           avx2::q4_half_rows<F, T, R>(x, k, xsum, w, t, h, nb, bh, y + c, n);
       };
-      switch (m) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        default: run(std::integral_constant<int, 4>{}); break;
-      }
+      by_rows(m, run);
     }
 }
 
@@ -474,8 +617,20 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   // grain: ~16 KiB of weight a task, so that the small projections still split across threads
   const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
   auto body = [&](auto f, auto* yp) {
+    constexpr int64_t F = decltype(f)::value;
+#ifdef KVTOP_QUANT_I16
+    if constexpr (F != kQ6_K) {
+      thread_local RowsI16 quantized;
+      const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
+      quantize_rows<F>(xp, m, k, quantized);
+      at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
+        tiles<F>(rows, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-      tiles<decltype(f)::value>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+      tiles<F>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
     });
   };
   auto by_output = [&](auto f) {
@@ -608,6 +763,7 @@ at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu) {
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_packed_supported() -> bool", &kvtop_packed::supported);
   m.def("quant_gate_up_supported() -> bool", &kvtop_packed::gate_up_supported);
+  m.def("quant_int16_rows() -> bool", &kvtop_packed::int16_rows);
   m.def("quant_pack(Tensor blocks, int format, int n) -> Tensor", &kvtop_packed::pack);
   m.def("quant_unpack(Tensor packed, int format, int n) -> Tensor", &kvtop_packed::unpack);
   m.def("quant_packed_rows(Tensor packed, Tensor ids, int n) -> Tensor", &kvtop_packed::packed_q8_rows);

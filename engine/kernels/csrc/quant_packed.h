@@ -24,6 +24,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows: vcvtneps2bf16
 #define KVTOP_QUANT_PACKED 1  // the 16-lane kernels below, and amx_linear.cpp's tiles
 #endif
+#if defined(KVTOP_QUANT_PACKED) && defined(__AVX512VNNI__)  // vpdpwssd: int16 pairs summed into int32
+#define KVTOP_QUANT_I16 1  // up to 4 rows multiply the Q4 and Q8_0 tiles as int16 (quant_packed.cpp)
+#endif
 #if defined(KVTOP_QUANT_PACKED) || defined(KVTOP_QUANT_GEMM)
 #define KVTOP_QUANT_PACKING 1  // weights are packed and multiplied packed: 16 lanes, or AVX2's 8 (quant_packed.cpp)
 #endif
