@@ -70,7 +70,7 @@ def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt
 def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order(fmt, shape):
     """1 to GEMV_ROWS bf16 and fp32 rows against the blocks' exact values (the
     reference's de-quantized fp32 weight, in float64): within the result's rounding, as the file
-    layout's kernel — and, where decode rows are int16 (AVX-512 VNNI), within that rounding's bound."""
+    layout's kernel — and, where decode rows are int16 (AVX-512 VNNI, AVX2), within that rounding's bound."""
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=3)
     k = plain.in_features
@@ -104,7 +104,7 @@ def int16_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 @needs_packed
-@pytest.mark.skipif(not INT16, reason="no AVX-512 VNNI here: decode rows stay fp32 (the test above holds them)")
+@pytest.mark.skipif(not INT16, reason="no AVX-512 VNNI or AVX2 here: decode rows stay fp32 (the test above holds them)")
 @pytest.mark.parametrize("fmt", INT16_FORMATS, ids=lambda f: f.name)
 def test_int16_decode_rows_hold_a_bf16_row_and_propagate_nan(fmt):
     """A bf16 row whose blocks span at most 2^7 holds every value exactly in 16 bits: the int16 rows'

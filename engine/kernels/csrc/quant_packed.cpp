@@ -10,12 +10,13 @@
 // values' products up to summation order, as quant_gemv's are.
 //
 // With AVX-512 VNNI (KVTOP_QUANT_I16), Q4_0, Q4_1, Q4_K and Q8_0 go further: each block of 32 of a
-// row's values is rounded to int16 with one power-of-two scale (quantize_rows says how close), and
-// vpdpwssd multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4, moved into its words by
-// one byte shuffle and a mask) by a pair of those int16 and sums both into int32, exactly: 32
+// row's values is rounded to int16 with one power-of-two scale (quant_packed.h's int16_scale says how
+// close), and vpdpwssd multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4, moved into its
+// words by one byte shuffle and a mask) by a pair of those int16 and sums both into int32, exactly: 32
 // products an instruction where the fp32 FMAs above take a shift, a permute and an FMA for 16, so
 // one row runs at what the cache delivers rather than at ports 0 and 5. Each block's integer sum is
 // scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K keeps fp32 rows.
+// AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
@@ -46,10 +47,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -89,7 +88,7 @@ bool gate_up_supported() {
 #endif
 }
 
-// Up to 4 rows multiply Q4_0, Q4_1, Q4_K and Q8_0 tiles as int16 (quantize_rows): AVX-512 VNNI.
+// Up to 4 rows multiply Q4_0, Q4_1, Q4_K and Q8_0 tiles as int16 (quantize_rows): AVX-512 VNNI, or AVX2.
 bool int16_rows() {
 #ifdef KVTOP_QUANT_I16
   return true;
@@ -406,48 +405,20 @@ inline float block_sum(const float* x) {
 }
 
 #ifdef KVTOP_QUANT_I16
-// Rows of x as int16 per block of 32 values, one power-of-two scale a block: 2^(e - 14) for the
-// block's largest |x| in [2^(e - 1), 2^e), so every value is within 2^(e - 15) of x's (16 bits of the
-// block's range; x's products with the weights then sum exactly in int32), a scale times a weight's
-// d is exact, and a value that is a multiple of the scale (a one-hot row, most of a bf16 row's) is
-// held exactly. A block of |x| < 2^-100 is held as zeros; a NaN or an infinity makes the block's scale
-// NaN, so the rows' results are NaN as the fp32 path's would be. Laid out in the pairs a tile's dwords
-// multiply: Q4's dword 4g + j holds elements 8g + j and 8g + j + 4 (its nibbles j and j + 4); Q8_0's
-// dword r elements 2r and 2r + 1 (row r).
-struct RowsI16 {
-  std::vector<int32_t> pairs;  // [M, K / 2]
-  std::vector<float> scale;    // [M, K / 32]
-};
-
+// One block of 32 values of x as int16 (quant_packed.h's RowsI16: the pairs' order, int16_scale's scale).
 template <int64_t F>
-void quantize_rows(const float* x, int64_t m, int64_t k, RowsI16& out) {
+inline void quantize_block(const float* x, int16_t* out, float& scale) {
   alignas(64) static const int16_t q4_order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
                                                    16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
-  const __m512i order = _mm512_load_si512(q4_order);
-  const int64_t blocks = m * (k / kBlock);
-  out.pairs.resize(blocks * kBlock / 2);
-  out.scale.resize(blocks);
-  for (int64_t i = 0; i < blocks; ++i) {
-    const __m512 lo = _mm512_loadu_ps(x + i * kBlock), hi = _mm512_loadu_ps(x + i * kBlock + 16);
-    const bool nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    int e = 0;
-    std::frexp(amax, &e);
-    float inv = 0.0f;
-    if (nan || std::isinf(amax)) {
-      out.scale[i] = std::numeric_limits<float>::quiet_NaN();
-    } else if (amax < 0x1p-100f) {
-      out.scale[i] = 0.0f;
-    } else {
-      out.scale[i] = std::ldexp(1.0f, e - 14);
-      inv = std::ldexp(1.0f, 14 - e);
-    }
-    const __m512 iv = _mm512_set1_ps(inv);
-    const __m512i words = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)))),
-        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, iv))), 1);
-    _mm512_storeu_si512(out.pairs.data() + i * kBlock / 2, F == kQ8_0 ? words : _mm512_permutexvar_epi16(order, words));
-  }
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const bool nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+  float inv;
+  int16_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))), nan, scale, inv);
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i words = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)))),
+      _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, iv))), 1);
+  _mm512_storeu_si512(out, F == kQ8_0 ? words : _mm512_permutexvar_epi16(_mm512_load_si512(q4_order), words));
 }
 
 // Nibbles j and j + 4 of each dword (j = 0..3) as its two words' low bits, the rest garbage above.
@@ -547,10 +518,14 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
 namespace {
 
 using avx2::block_sum;
+#ifdef KVTOP_QUANT_I16
+using avx2::quantize_block;
+#endif
 
-// Tiles [t0, t1) for m rows (1..4) of x fp32, half a tile at a time (quant_packed_avx2.h).
-template <int64_t F, typename T>
-void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows, or int16 rows (not for Q6_K) — half a tile at a
+// time (quant_packed_avx2.h).
+template <int64_t F, typename X, typename T>
+void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t)
@@ -566,6 +541,22 @@ void tiles(const float* x, int64_t m, int64_t k, const float* xsum, const uint8_
       };
       by_rows(m, run);
     }
+}
+
+}  // namespace
+#endif
+
+#ifdef KVTOP_QUANT_I16
+namespace {
+
+// m rows of x fp32 [M, K] as int16 per block of 32 (quant_packed.h's RowsI16).
+template <int64_t F>
+void quantize_rows(const float* x, int64_t m, int64_t k, RowsI16& out) {
+  const int64_t blocks = m * (k / kBlock);
+  out.pairs.resize(blocks * kBlock / 2);
+  out.scale.resize(blocks);
+  for (int64_t i = 0; i < blocks; ++i)
+    quantize_block<F>(x + i * kBlock, reinterpret_cast<int16_t*>(out.pairs.data() + i * kBlock / 2), out.scale[i]);
 }
 
 }  // namespace

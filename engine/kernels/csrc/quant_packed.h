@@ -17,18 +17,23 @@
 #pragma once
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "quant_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows: vcvtneps2bf16
 #define KVTOP_QUANT_PACKED 1  // the 16-lane kernels below, and amx_linear.cpp's tiles
 #endif
-#if defined(KVTOP_QUANT_PACKED) && defined(__AVX512VNNI__)  // vpdpwssd: int16 pairs summed into int32
-#define KVTOP_QUANT_I16 1  // up to 4 rows multiply the Q4 and Q8_0 tiles as int16 (quant_packed.cpp)
-#endif
 #if defined(KVTOP_QUANT_PACKED) || defined(KVTOP_QUANT_GEMM)
 #define KVTOP_QUANT_PACKING 1  // weights are packed and multiplied packed: 16 lanes, or AVX2's 8 (quant_packed.cpp)
+#endif
+// Up to 4 rows multiply the Q4 and Q8_0 tiles as int16 (quant_packed.cpp): AVX-512 with VNNI
+// (vpdpwssd), or AVX2 (vpmaddwd and an add)
+#if defined(KVTOP_QUANT_PACKING) && (!defined(KVTOP_QUANT_PACKED) || defined(__AVX512VNNI__))
+#define KVTOP_QUANT_I16 1
 #endif
 
 namespace kvtop_packed {
@@ -60,6 +65,40 @@ inline void prefetch_block(const uint8_t* block) {
   for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
 }
 
+#endif
+
+#ifdef KVTOP_QUANT_I16
+// Rows of x as int16 per block of 32 values, one power-of-two scale a block (int16_scale), in the
+// pairs a tile's dwords multiply: Q4's dword 4g + j holds elements 8g + j and 8g + j + 4 (its nibbles j
+// and j + 4: within each 8 values the order kQ4PairOrder); Q8_0's dword r elements 2r and 2r + 1 (row r).
+struct RowsI16 {
+  std::vector<int32_t> pairs;  // [M, K / 2]
+  std::vector<float> scale;    // [M, K / 32]
+};
+
+// Q4's element order within each 8 values of a block of int16 rows (word w holds element kQ4PairOrder[w]).
+constexpr int kQ4PairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+// The scale of a block of 32 values whose largest |x| is amax in [2^(e - 1), 2^e) (`bad`: a NaN or an
+// infinity among them), and its inverse, which the values are multiplied by and rounded: 2^(e - 14),
+// so every value is within 2^(e - 15) of x's — 16 bits of the block's range; x's products with the
+// weights then sum exactly in int32 — a scale times a weight's d is exact, and a value that is a
+// multiple of the scale (a one-hot row, most of a bf16 row's) is held exactly. A block of |x| < 2^-100
+// is held as zeros; a NaN or an infinity makes the scale NaN, so the row's results are NaN as the fp32
+// path's would be.
+inline void int16_scale(float amax, bool bad, float& scale, float& inv) {
+  inv = 0.0f;
+  if (bad || std::isinf(amax)) {
+    scale = std::numeric_limits<float>::quiet_NaN();
+  } else if (amax < 0x1p-100f) {
+    scale = 0.0f;
+  } else {
+    int e = 0;
+    std::frexp(amax, &e);
+    scale = std::ldexp(1.0f, e - 14);
+    inv = std::ldexp(1.0f, 14 - e);
+  }
+}
 #endif
 
 #ifdef KVTOP_QUANT_PACKED

@@ -223,6 +223,92 @@ void q8_half_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_
   for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(column_order(_mm256_hadd_ps(acc[r][0], acc[r][1])), bv));
 }
 
+#ifdef KVTOP_QUANT_I16
+// One block of 32 values of x as int16 (quant_packed.h's RowsI16: the pairs' order, int16_scale's
+// scale; quant_packed.cpp's quantize_block in 8 lanes).
+template <int64_t F>
+inline void quantize_block(const float* x, int16_t* out, float& scale) {
+  __m256 v[4], amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  float inv;
+  int16_scale(_mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1))), _mm256_movemask_ps(unordered) != 0, scale, inv);
+  const __m256 iv = _mm256_set1_ps(inv);
+  // each 128-bit lane of a packed pair holds 8 consecutive values: Q4's order is a shuffle within it
+  const __m256i q4_order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                            0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  for (int i = 0; i < 2; ++i) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], iv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i + 1], iv));
+    __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // values 16i .. 16i + 15 in order
+    if constexpr (F != kQ8_0) words = _mm256_shuffle_epi8(words, q4_order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * i), words);
+  }
+}
+
+// q4_half_rows above on int16 rows: a dword's nibbles j and j + 4, masked into its words, times an x
+// pair (vpmaddwd), summed exactly in int32 a block, then scaled once (d times x's scale).
+template <int64_t F, typename T, int R>
+void q4_half_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t h, int64_t nb,
+                  const float* bias, T* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Half s = half_sub<F>(w, t, b, nb, h);
+    if (h == 0) prefetch_block<F>(s.values);
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i group = q4_group(s.values, g, h);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = _mm256_and_si256(j == 0 ? group : _mm256_srli_epi32(group, 4 * j), low4);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(q, pair));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_mul_ps(s.d, _mm256_set1_ps(x.scale[r * nb + b]));
+      acc[r] = _mm256_fmadd_ps(s.m, _mm256_set1_ps(xsum[r * nb + b]), _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), d, acc[r]));
+    }
+  }
+  const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
+}
+
+// q8_half_rows above on int16 rows: row r of the half's 16 bytes widened to words is 8 columns'
+// (element 2r, 2r + 1) pairs, which vpmaddwd multiplies by the x pair and sums: a lane a column.
+template <typename T, int R>
+void q8_half_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t h, int64_t nb, const float* bias,
+                  T* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Half s = half_sub<kQ8_0>(w, t, b, nb, h);
+    if (h == 0) prefetch_block<kQ8_0>(s.values);
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int row = 0; row < 16; ++row) {
+      const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.values + 32 * row + 16 * h)));
+      for (int r = 0; r < R; ++r)
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(q, _mm256_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + row])));
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(s.d, _mm256_set1_ps(x.scale[r * nb + b])), acc[r]);
+  }
+  const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
+}
+#endif
+
 // Tile t's 16 columns as fp32 panel rows (quant_packed.cpp's panel_rows): seg [K, width] at the tile's
 // first column, row k holding the reference's value of element k, half by half.
 template <int64_t F>
