@@ -93,10 +93,11 @@ _kvctl_complete() {
             case "$prev" in
                 --seq) COMPREPLY=(); return 0 ;;
                 --blocks) COMPREPLY=(); return 0 ;;
+                --wait) COMPREPLY=(); return 0 ;;
                 --socket) COMPREPLY=( $(compgen -f -- "$cur") ); return 0 ;;
             esac
             if [[ "$cur" == -* ]]; then
-                COMPREPLY=( $(compgen -W "--seq --requeue --no-requeue --prefix-cache --blocks --yes -y --socket --help" -- "$cur") )
+                COMPREPLY=( $(compgen -W "--seq --requeue --no-requeue --prefix-cache --blocks --yes -y --wait --socket --help" -- "$cur") )
             fi
             ;;
         plan)

@@ -81,6 +81,7 @@ complete -c kvctl -n '__fish_seen_subcommand_from evict' -l no-requeue -d 'With 
 complete -c kvctl -n '__fish_seen_subcommand_from evict' -l prefix-cache -d 'Drop every free cached prefix block.'
 complete -c kvctl -n '__fish_seen_subcommand_from evict' -l blocks -x -d 'Drop this many least recently used cached blocks.'
 complete -c kvctl -n '__fish_seen_subcommand_from evict' -l yes -s y -d 'Do not ask for confirmation.'
+complete -c kvctl -n '__fish_seen_subcommand_from evict' -l wait -x -d 'With --seq, wait this many seconds 0 to 60 for the engine to apply the eviction '
 complete -c kvctl -n '__fish_seen_subcommand_from evict' -l socket -r -F -d 'Control socket default, KVTOP_SOCKET, else XDG_RUNTIME_DIR/kvtop-UID/engine.sock'
 complete -c kvctl -n '__fish_seen_subcommand_from evict' -l help -d 'Show help and exit.'
 complete -c kvctl -n '__fish_seen_subcommand_from plan' -l dtype -x -a 'auto float32 bfloat16 float16' -d 'Weights / 16-bit KV dtype, bfloat16 / float16 / float32.'

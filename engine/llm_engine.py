@@ -318,6 +318,11 @@ class LLMEngine:
             self._requeues.append(request_id)
             return True
 
+    def eviction_queued(self, request_id: str) -> bool:
+        """An abort or requeue of `request_id` still waits for the next step to apply it."""
+        with self._lock:
+            return request_id in self._requeues or any(queued == request_id for queued, _ in self._aborts)
+
     def has_pending(self) -> bool:
         """Work for `step()`: requests in flight, or queued aborts and evictions."""
         return bool(self.seqs or self._aborts or self._requeues)

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpcore
 import httpx
 
+from kvtop.protocol.config import EVICT_WAIT_S
 from kvtop.protocol.frame import StatsFrame
 from kvtop.protocol.sockets import default_socket_path, describe_uid, peer_uid, resolve_socket
 
@@ -145,6 +146,7 @@ class EngineClient:
     def __init__(self, socket: str | Path | None = None, timeout: float = 10.0, owner: int | None = None) -> None:
         self.path = resolve_socket(socket)
         self.owner = expected_owner(self.path) if owner is None else owner
+        self.timeout = timeout
         self._http = httpx.Client(
             transport=_TrustedUnixTransport(self.path, self.owner), base_url="http://kvtop", timeout=timeout
         )
@@ -196,7 +198,10 @@ class EngineClient:
         return self._request("POST", "/v1/resume")
 
     def evict(self, **body) -> dict:
-        return self._request("POST", "/v1/evict", json=body)
+        """A sequence's eviction answers once the engine applied it (`applied`), or after `wait_s`
+        (202, `applied` false): the request's own timeout allows for that wait."""
+        wait = body.get("wait_s", EVICT_WAIT_S) if body.get("seq_id") is not None else 0.0
+        return self._request("POST", "/v1/evict", json=body, timeout=self.timeout + wait)
 
     def snapshot(self, path: str | None = None, reason: str = "manual", force: bool = False) -> dict:
         """Ask for a snapshot at `path` (the server's snapshot dir when None). An existing file

@@ -156,6 +156,7 @@ def test_evict_a_running_sequence(idle):
     proc = kvctl("evict", "--seq", seq_id, "--yes", "--socket", str(idle.socket))
     assert proc.returncode == 0, proc.stderr
     assert f"evicted {seq_id}" in proc.stdout
+    assert seq_id not in [x["id"] for x in idle.stats()["sequences"]]  # "evicted" means done: its blocks are back
     s.join(30)
     assert s.error is None and s.finish_reason == "abort"
     frame = idle.wait_idle()
@@ -170,11 +171,12 @@ def test_evict_with_requeue_recomputes(idle):
     s.wait_started()
     seq_id = running_ids(idle.stats())[0]
     with idle.control() as c:
-        assert c.evict(seq_id=seq_id, requeue=True)["requeue"] is True
+        answer = c.evict(seq_id=seq_id, requeue=True)
+    assert answer["requeue"] is True and answer["applied"] is True
+    requeued = [e for e in idle.stats()["events"] if e["kind"] == "evicted" and e["seq_id"] == seq_id]
+    assert requeued and "requeued" in requeued[0]["detail"]  # applied by the time the answer came
     s.join(60)
     assert s.error is None and s.finish_reason == "length" and s.text_tokens >= 390
-    events = idle.stats()["events"]
-    assert any(e["kind"] == "evicted" and e["seq_id"] == seq_id and "requeued" in e["detail"] for e in events)
 
 
 def test_evict_cached_blocks(idle):

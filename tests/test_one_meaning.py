@@ -148,6 +148,31 @@ def test_peak_is_never_below_usage(server):
     assert samples["kvtop_kv_cache_peak_usage_perc"] >= samples["kvtop_kv_cache_usage_perc"] > 0
 
 
+def test_an_eviction_the_engine_has_not_stepped_to_is_queued_not_done(server):
+    """Steps here take 3 s: asked not to wait, the socket answers 202 with `applied` false (the
+    sequence still runs until the next step); asked to wait, `kvctl evict` answers once the engine
+    applied it — the sequence gone — and says "evicted"."""
+    for token in (7, 8)[len(server.stats()["sequences"]) :]:  # the first test's two requests, when run alone
+        _send(server, [*PREFIX, token], 300)
+    first, second = [
+        s["id"] for s in server.wait_for(lambda f: len(f["sequences"]) == 2, 60, "two requests")["sequences"]
+    ]
+    with server.control() as c:
+        answer = c.evict(seq_id=first, wait_s=0)
+        assert answer == {"evicted": "sequence", "seq_id": first, "requeue": False, "applied": False}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket)), base_url="http://kvtop") as raw:
+        r = raw.post("/v1/evict", json={"seq_id": second, "wait_s": 0})  # the status code itself
+    assert r.status_code == 202 and r.json()["applied"] is False
+    server.wait_for(lambda f: not f["sequences"], 60, "both evictions applied at the next step")
+    _send(server, [*PREFIX, 9], 300)
+    third = server.wait_for(lambda f: f["sequences"], 60, "a third request")["sequences"][0]["id"]
+    proc = kvctl("evict", "--seq", third, "--yes", "--wait", "30", "--socket", str(server.socket))
+    assert proc.returncode == 0 and f"evicted {third}" in proc.stdout, proc.stdout + proc.stderr
+    assert not server.stats()["sequences"]
+    refused = kvctl("evict", "--seq", third, "--yes", "--wait", "61", "--socket", str(server.socket))
+    assert refused.returncode != 0 and "--wait must be a number of seconds from 0 to 60" in refused.stderr
+
+
 def test_kv_panel_shows_a_dash_where_there_is_no_data():
     panel = KVPanel()
     empty = panel.draw(View(frame={}, history=[], events=[]), 40, 12).plain

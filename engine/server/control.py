@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from engine.server.bodies import read_request
@@ -121,7 +121,12 @@ def operator_router(loop: EngineLoop) -> APIRouter:
 
     @router.post("/evict")
     async def evict(request: Request):
-        return evict_one(loop, await read_control(request, EvictRequest))
+        req = await read_control(request, EvictRequest)
+        result = evict_one(loop, req)
+        if req.seq_id is None:  # cached blocks go at once
+            return result
+        applied = await loop.until_evicted(req.seq_id, req.wait_s)
+        return JSONResponse({**result, "applied": applied}, status_code=200 if applied else 202)
 
     @router.post("/snapshot")
     async def snapshot(request: Request):

@@ -34,6 +34,7 @@ from kvtop.protocol.snapshot import check_target, write_snapshot
 
 Sink = Callable[[RequestOutput], None]
 RECENT_SNAPSHOTS = 10
+EVICT_POLL_S = 0.005  # how often a waiting eviction looks whether the engine thread has applied it
 
 
 class EngineLoop:
@@ -144,6 +145,17 @@ class EngineLoop:
         found = self.engine.evict_sequence(request_id, requeue=requeue)
         self._wake.set()
         return found
+
+    async def until_evicted(self, request_id: str, wait_s: float) -> bool:
+        """Wait, without holding the event loop, until the engine thread has applied a queued
+        eviction of `request_id` (it does at its next step); False if it is still queued after
+        `wait_s` seconds or the engine thread is gone."""
+        deadline = time.monotonic() + wait_s
+        while self.engine.eviction_queued(request_id):
+            if time.monotonic() >= deadline or not self.running:
+                return False
+            await asyncio.sleep(EVICT_POLL_S)
+        return True
 
     def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
         dropped = self.engine.evict_prefix_cache(max_blocks)

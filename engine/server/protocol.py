@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvtop.protocol.config import MAX_DRAIN_TIMEOUT_S
+from kvtop.protocol.config import EVICT_WAIT_S, MAX_DRAIN_TIMEOUT_S, MAX_EVICT_WAIT_S
 
 MAX_N = 128
 MAX_STOP = 16
@@ -349,6 +349,9 @@ class EvictRequest(_Strict):
     requeue: bool = False
     prefix_cache: bool = False
     blocks: int | None = Field(None, ge=1)
+    # a sequence's eviction is applied at the engine's next step: how long to wait for it (200 once
+    # applied, 202 while it is still queued)
+    wait_s: float = Field(EVICT_WAIT_S, ge=0, le=MAX_EVICT_WAIT_S)
 
 
 class SnapshotRequest(_Strict):

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kvtop.client import EngineClient
 from kvtop.ctl.options import SocketOption
 from kvtop.entry import CLIError
+from kvtop.protocol.config import EVICT_WAIT_S, MAX_EVICT_WAIT_S
 
 out = Console()
 err = Console(stderr=True)
@@ -217,6 +218,13 @@ def evict(
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache", help="Drop every free cached prefix block.")] = False,
     blocks: Annotated[int | None, typer.Option(help="Drop this many least recently used cached blocks.")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    wait: Annotated[
+        float,
+        typer.Option(
+            help="With --seq: wait this many seconds (0 to 60) for the engine to apply the eviction at its "
+            "next step; past it, say it is queued."
+        ),
+    ] = EVICT_WAIT_S,
     socket: SocketOption = None,
 ) -> None:
     """Free KV memory: one sequence (aborted or requeued), or cached prefix blocks."""
@@ -226,6 +234,8 @@ def evict(
         raise CLIError("--requeue goes with --seq ID")
     if blocks is not None and blocks < 1:
         raise CLIError("--blocks must be at least 1")
+    if not 0 <= wait <= MAX_EVICT_WAIT_S:  # nan and inf too
+        raise CLIError(f"--wait must be a number of seconds from 0 to {MAX_EVICT_WAIT_S:g}")
     with _client(socket) as c:
         frame = c.stats()
         if seq is not None:
@@ -248,11 +258,16 @@ def evict(
                 ok = False
             if not ok:
                 raise CLIError("not confirmed; nothing evicted (--yes skips the question)")
-        body = {"seq_id": seq, "requeue": requeue} if seq is not None else (
+        body = {"seq_id": seq, "requeue": requeue, "wait_s": wait} if seq is not None else (
             {"prefix_cache": True} if prefix_cache else {"blocks": blocks}
         )  # fmt: skip
         r = c.evict(**body)
-    if r["evicted"] == "sequence":
+    if r["evicted"] == "sequence" and not r.get("applied", True):
+        out.print(
+            f"queued the eviction of {r['seq_id']}" + (" (requeue)" if r.get("requeue") else "")
+            + f": the engine applies it at its next step, which has not come in {wait:g} s"
+        )  # fmt: skip
+    elif r["evicted"] == "sequence":
         out.print(f"evicted {r['seq_id']}" + (" (requeued)" if r.get("requeue") else ""))
     else:
         out.print(f"dropped {r['blocks']} cached prefix blocks")

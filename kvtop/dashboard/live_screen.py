@@ -209,6 +209,8 @@ class LiveDashboard(DashboardScreen):
             self.post_message(ActionFinished(name, False, str(exc)))
             return
         detail = f"{done}: {result['path']}" if isinstance(result, dict) and result.get("path") else done
+        if isinstance(result, dict) and result.get("applied") is False:  # an eviction the engine has not stepped to
+            detail = f"{done.replace('evicted', 'eviction of')} queued: the engine applies it at its next step"
         self.post_message(ActionFinished(name, True, detail))
 
     def on_action_finished(self, message: ActionFinished) -> None:

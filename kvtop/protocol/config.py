@@ -121,6 +121,9 @@ DEFAULT_REQUEST_TIMEOUT = 30.0
 DAY_S, WEEK_S = 86400.0, 7 * 86400.0
 # the control socket's longest drain deadline: it feeds Retry-After and the countdowns, so a sane number
 MAX_DRAIN_TIMEOUT_S = DAY_S
+# a sequence's eviction is applied at the engine's next step: the control socket waits this long for
+# it by default (200 once applied, 202 while still queued), at most MAX_EVICT_WAIT_S when asked
+EVICT_WAIT_S, MAX_EVICT_WAIT_S = 5.0, 60.0
 
 # Every duration: (its lowest value, whether that value itself is allowed, its highest). A duration
 # reaches deadlines, Retry-After and countdowns: nan, inf and 1e309 must stop here, in one line.
