@@ -14,7 +14,6 @@ from gguf import GGMLQuantizationType
 from engine import LLM
 from engine.kernels import cpu
 from engine.model.quant_linear import (
-    INT16_FORMATS,
     PACKED_FORMATS,
     QuantEmbedding,
     QuantGateUp,
@@ -87,7 +86,7 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
         assert ((y.double() - plain(x).double()).abs() / scale).max() < 8e-3
         exact32 = x.float().double() @ dense.t() + bias.double()  # fp32 rows: within fp32's rounding
         error = (packed(x.float()).double() - exact32).abs()
-        if INT16 and fmt in INT16_FORMATS:  # and within the int16 rows' rounding, at most its bound
+        if INT16:  # and within the int16 rows' rounding, at most its bound
             assert (error <= int16_bound(x.float(), dense) + 1e-5 * scale).all()
             continue
         assert (error / scale).max() < 1e-5
@@ -105,7 +104,7 @@ def int16_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 @needs_packed
 @pytest.mark.skipif(not INT16, reason="no AVX-512 VNNI or AVX2 here: decode rows stay fp32 (the test above holds them)")
-@pytest.mark.parametrize("fmt", INT16_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 def test_int16_decode_rows_hold_a_bf16_row_and_propagate_nan(fmt):
     """A bf16 row whose blocks span at most 2^7 holds every value exactly in 16 bits: the int16 rows'
     result is the fp32 rows' up to summation order; a NaN in a row makes that row's outputs NaN (not a

@@ -13,7 +13,7 @@ Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are repacked at load (`pack_for_decode`:
 tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 columns per FMA (AVX-512
 with BF16; 8 per FMA with AVX2, csrc/quant_packed_avx2.h), each block's scale applied once per tile;
 more rows read AMX tiles or fp32 panels straight out of the tiles, no transpose. With AVX-512 VNNI
-(or AVX2) the decode rows of Q4_0/Q4_1/Q4_K/Q8_0 tiles are int16 instead (`int16_rows_available`): each block
+(or AVX2) the decode rows of every packed format are int16 instead (`int16_rows_available`): each block
 of 32 activations rounded to 16 bits of its range, the products summed exactly in int32. Only where
 packing is switched off (`KVTOP_QUANT_PACK=0`) do the file layout's kernels above run.
 
@@ -67,17 +67,11 @@ def gate_up_kernel_available() -> bool:
 
 
 def int16_rows_available() -> bool:
-    """Decode rows (1 to 4) multiply packed Q4_0/Q4_1/Q4_K/Q8_0 tiles as int16 here (AVX-512 VNNI, or AVX2):
+    """Decode rows (1 to 4) multiply packed Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tiles as int16 here (AVX-512 VNNI, or AVX2):
     each block of 32 activations rounded to 16 bits of its range, then summed exactly in int32."""
     return cpu.says("quant_int16_rows")
 
 
-INT16_FORMATS = (  # what int16 decode rows multiply (Q6_K's values take two tables: fp32 rows)
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q8_0,
-)
 PACKED_FORMATS = (  # what quant_pack repacks
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,

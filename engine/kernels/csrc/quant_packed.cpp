@@ -9,13 +9,14 @@
 // lanes. Activations are fp32 (a bf16 row is widened once per call): the results are the blocks'
 // values' products up to summation order, as quant_gemv's are.
 //
-// With AVX-512 VNNI (KVTOP_QUANT_I16), Q4_0, Q4_1, Q4_K and Q8_0 go further: each block of 32 of a
+// With AVX-512 VNNI (KVTOP_QUANT_I16), every packed format goes further: each block of 32 of a
 // row's values is rounded to int16 with one power-of-two scale (quant_packed.h's int16_scale says how
 // close), and vpdpwssd multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4, moved into its
 // words by one byte shuffle and a mask) by a pair of those int16 and sums both into int32, exactly: 32
 // products an instruction where the fp32 FMAs above take a shift, a permute and an FMA for 16, so
 // one row runs at what the cache delivers rather than at ports 0 and 5. Each block's integer sum is
-// scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K keeps fp32 rows.
+// scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K's word is its low
+// nibble | its high 2 bits << 4 (q6k_tile_rows), its q - 32 through the int16 values' sums per 16.
 // AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
@@ -88,7 +89,7 @@ bool gate_up_supported() {
 #endif
 }
 
-// Up to 4 rows multiply Q4_0, Q4_1, Q4_K and Q8_0 tiles as int16 (quantize_rows): AVX-512 VNNI, or AVX2.
+// Up to 4 rows multiply every packed format's tiles as int16 (quantize_rows): AVX-512 VNNI, or AVX2.
 bool int16_rows() {
 #ifdef KVTOP_QUANT_I16
   return true;
@@ -164,8 +165,9 @@ void copy_q6k_group(uint8_t* tile, uint8_t* const blk[kTile], bool to_tile) {
       q6k_place(e, ql, ql_shift, qh, qh_shift);
       const int j = e / 32, k = e % 32;
       uint8_t* low = tile + 288 + 384 * j + 64 * (k / 8) + 4 * c + (k % 8) / 2;  // as Q4's nibbles
-      uint8_t* high = tile + 288 + 384 * j + 256 + 64 * (k / 16) + 4 * c + (k % 16) / 4;
-      const int low_shift = 4 * (k & 1), high_shift = 2 * (k % 4);
+      const int high_bit = q6k_high_bit(k % 16);
+      uint8_t* high = tile + 288 + 384 * j + 256 + 64 * (k / 16) + 4 * c + high_bit / 8;
+      const int low_shift = 4 * (k & 1), high_shift = high_bit % 8;
       if (to_tile) {
         *low |= static_cast<uint8_t>(((file[ql] >> ql_shift) & 0x0F) << low_shift);
         *high |= static_cast<uint8_t>(((file[qh] >> qh_shift) & 0x03) << high_shift);
@@ -493,8 +495,54 @@ void q8_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int6
 
 #endif
 
-// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows (const float*), or int16 rows (RowsI16: not for
-// Q6_K) — into y; xsum: Q4's per-block sums of x.
+#ifdef KVTOP_QUANT_I16
+// Q6_K on int16 rows: a word is its value's low nibble | its high 2 bits << 4 (q in 0..63; the high
+// bits of elements e and e + 4 sit 16 bits apart, quant_packed.h's q6k_high_bit, so one shift moves
+// both pairs' to bits 4 and 5 of their words), the pairs as Q4's; each 16 values' sum, less 32 times
+// their int16 sum (q - 32), is scaled by its own d.
+template <typename T, int R>
+void q6k_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t nb, const float* bias, T* y,
+                   int64_t ldy) {
+  const __m512i low4 = _mm512_set1_epi32(0x000F000F), high2 = _mm512_set1_epi32(0x00300030);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Sub sub = packed_sub<kQ6_K>(w, t, b, nb);
+    prefetch_block<kQ6_K>(sub.values);
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    for (int part = 0; part < 2; ++part) {  // values 16 part .. 16 part + 15: groups 2 part, 2 part + 1
+      const __m512i high = _mm512_loadu_si512(sub.values + 256 + 64 * part);
+      for (int u = 0; u < 2; ++u) {
+        const int g = 2 * part + u;
+        const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const int at = q6k_high_bit(8 * u + j) - 4;
+          const __m512i hi = at >= 0 ? _mm512_srli_epi32(high, static_cast<unsigned>(at))
+                                     : _mm512_slli_epi32(high, static_cast<unsigned>(-at));
+          const __m512i q = _mm512_ternarylogic_epi32(nibble_pairs(group, j), low4, _mm512_and_si512(hi, high2), 0xEA);
+          for (int r = 0; r < R; ++r)
+            sum[r][part] = _mm512_dpwssd_epi32(sum[r][part], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(x.scale[r * nb + b]);
+      const int32_t* sums = x.half_sums.data() + 2 * (r * nb + b);
+      const __m512i q0 = _mm512_sub_epi32(sum[r][0], _mm512_set1_epi32(32 * sums[0]));
+      const __m512i q1 = _mm512_sub_epi32(sum[r][1], _mm512_set1_epi32(32 * sums[1]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_mul_ps(sub.d, s), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_mul_ps(sub.d2, s), acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(acc[r], bv));
+}
+#endif
+
+// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows (const float*), or int16 rows (RowsI16) — into y;
+// xsum: Q4's per-block sums of x.
 template <int64_t F, typename X, typename T>
 void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
@@ -506,6 +554,10 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
       constexpr int R = decltype(rows)::value;
       if constexpr (F == kQ8_0)
         q8_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
+#ifdef KVTOP_QUANT_I16
+      else if constexpr (F == kQ6_K && std::is_same_v<X, RowsI16>)
+        q6k_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
+#endif
       else
         q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
     };
@@ -522,7 +574,7 @@ using avx2::block_sum;
 using avx2::quantize_block;
 #endif
 
-// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows, or int16 rows (not for Q6_K) — half a tile at a
+// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows, or int16 rows — half a tile at a
 // time (quant_packed_avx2.h).
 template <int64_t F, typename X, typename T>
 void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
@@ -536,6 +588,10 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
         constexpr int R = decltype(rows)::value;
         if constexpr (F == kQ8_0)
           avx2::q8_half_rows<T, R>(x, k, w, t, h, nb, bh, y + c, n);
+#ifdef KVTOP_QUANT_I16
+        else if constexpr (F == kQ6_K && std::is_same_v<X, RowsI16>)
+          avx2::q6k_half_rows<T, R>(x, k, w, t, h, nb, bh, y + c, n);
+#endif
         else
           avx2::q4_half_rows<F, T, R>(x, k, xsum, w, t, h, nb, bh, y + c, n);
       };
@@ -557,6 +613,12 @@ void quantize_rows(const float* x, int64_t m, int64_t k, RowsI16& out) {
   out.scale.resize(blocks);
   for (int64_t i = 0; i < blocks; ++i)
     quantize_block<F>(x + i * kBlock, reinterpret_cast<int16_t*>(out.pairs.data() + i * kBlock / 2), out.scale[i]);
+  if constexpr (F == kQ6_K) {  // words 0..15 of a block are its first 16 values (reordered within each 8)
+    const int16_t* words = reinterpret_cast<const int16_t*>(out.pairs.data());
+    out.half_sums.assign(2 * blocks, 0);
+    for (int64_t i = 0; i < 2 * blocks; ++i)
+      for (int v = 0; v < 16; ++v) out.half_sums[i] += words[16 * i + v];
+  }
 }
 
 }  // namespace
@@ -610,7 +672,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   auto body = [&](auto f, auto* yp) {
     constexpr int64_t F = decltype(f)::value;
 #ifdef KVTOP_QUANT_I16
-    if constexpr (F != kQ6_K) {
+    {
       thread_local RowsI16 quantized;
       const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
       quantize_rows<F>(xp, m, k, quantized);

@@ -11,7 +11,8 @@
 //   Q6_K (group: 256 values in 8 sub-blocks of 32, a scale per 16): d[16] fp16, the 16 int8 scales as
 //     16 rows of 16 columns, then per sub-block j at 288 + 384 j: the low 4 bits of its values as Q4's
 //     nibbles (256 bytes), then their high 2 bits (128 bytes: 2 groups of 64, group h's dword c
-//     holding column c's elements 16h .. 16h + 15, element 16h + i in bits 2i .. 2i + 1);
+//     holding column c's elements 16h .. 16h + 15, element 16h + i in bits q6k_high_bit(i) .. + 1:
+//     elements e and e + 4 of each 8 16 bits apart, as Q4's nibbles are, for the int16 rows' pairs);
 //   Q8_0 (group: 32 values): d[16] fp16, then 16 rows of 32 bytes, row r's byte 2c + e column c's
 //     element 2r + e.
 #pragma once
@@ -46,6 +47,10 @@ inline bool packable_format(int64_t format) {
          format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0;
 }
 
+// Where element i (0..15) of a Q6_K high-bits dword keeps its 2 bits: elements 8u + v (v < 4) in the
+// low word at 2(4u + v), their partners 8u + v + 4 in the high word at the same place.
+constexpr int q6k_high_bit(int i) { return 16 * ((i % 8) / 4) + 2 * (4 * (i / 8) + i % 4); }
+
 // Bytes before a Q4_0/Q4_1 group's nibbles: d[16], and m[16] for Q4_1.
 constexpr int64_t q4_scale_bytes(int64_t format) { return format == kvtop_quant::kQ4_1 ? 64 : 32; }
 
@@ -72,8 +77,9 @@ inline void prefetch_block(const uint8_t* block) {
 // pairs a tile's dwords multiply: Q4's dword 4g + j holds elements 8g + j and 8g + j + 4 (its nibbles j
 // and j + 4: within each 8 values the order kQ4PairOrder); Q8_0's dword r elements 2r and 2r + 1 (row r).
 struct RowsI16 {
-  std::vector<int32_t> pairs;  // [M, K / 2]
-  std::vector<float> scale;    // [M, K / 32]
+  std::vector<int32_t> pairs;      // [M, K / 2]
+  std::vector<float> scale;        // [M, K / 32]
+  std::vector<int32_t> half_sums;  // [M, K / 16], Q6_K only: each 16 values' sum (its q - 32's offset term)
 };
 
 // Q4's element order within each 8 values of a block of int16 rows (word w holds element kQ4PairOrder[w]).
@@ -190,7 +196,7 @@ inline __m512 packed_q(const Sub& s, int k) {
   if constexpr (F != kvtop_quant::kQ6_K) return low;
   const __m512 high_values = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16);
   const __m512i group = _mm512_loadu_si512(s.values + 256 + 64 * (k / 16));
-  const __m512i bits = _mm512_srli_epi32(group, static_cast<unsigned>(2 * (k % 16)));
+  const __m512i bits = _mm512_srli_epi32(group, static_cast<unsigned>(q6k_high_bit(k % 16)));
   return _mm512_add_ps(low, _mm512_permutexvar_ps(bits, high_values));
 }
 

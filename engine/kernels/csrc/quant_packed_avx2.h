@@ -99,7 +99,7 @@ inline __m256 half_q(const Half& s, int k, int64_t h) {
   const __m256 low = q4_element(q4_group(s.values, k / 8, h), k % 8);
   if constexpr (F != kQ6_K) return low;
   const __m256i group = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.values + 256 + 64 * (k / 16) + 32 * h));
-  const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(group, 2 * (k % 16)), _mm256_set1_epi32(3));
+  const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(group, q6k_high_bit(k % 16)), _mm256_set1_epi32(3));
   const __m256 high = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(16.0f)), _mm256_set1_ps(32.0f));
   return _mm256_add_ps(low, high);
 }
@@ -277,6 +277,51 @@ void q4_half_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
     for (int r = 0; r < R; ++r) {
       const __m256 d = _mm256_mul_ps(s.d, _mm256_set1_ps(x.scale[r * nb + b]));
       acc[r] = _mm256_fmadd_ps(s.m, _mm256_set1_ps(xsum[r * nb + b]), _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), d, acc[r]));
+    }
+  }
+  const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
+}
+
+// Q6_K on int16 rows, half h of tile t (quant_packed.cpp's q6k_tile_rows in 8 lanes): a word is its
+// value's low nibble | its high 2 bits << 4, the pairs as Q4's; each 16 values' sum, less 32 times
+// their int16 sum, scaled by its own d.
+template <typename T, int R>
+void q6k_half_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t h, int64_t nb, const float* bias,
+                   T* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F), high2 = _mm256_set1_epi32(0x00300030);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Half s = half_sub<kQ6_K>(w, t, b, nb, h);
+    if (h == 0) prefetch_block<kQ6_K>(s.values);
+    __m256i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int part = 0; part < 2; ++part) {  // values 16 part .. 16 part + 15: groups 2 part, 2 part + 1
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.values + 256 + 64 * part + 32 * h));
+      for (int u = 0; u < 2; ++u) {
+        const int g = 2 * part + u;
+        const __m256i group = q4_group(s.values, g, h);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const int at = q6k_high_bit(8 * u + j) - 4;
+          const __m256i hi = at >= 0 ? _mm256_srli_epi32(high, at) : _mm256_slli_epi32(high, -at);
+          const __m256i lo = _mm256_and_si256(j == 0 ? group : _mm256_srli_epi32(group, 4 * j), low4);
+          const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hi, high2));
+          for (int r = 0; r < R; ++r) {
+            const __m256i pair = _mm256_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]);
+            sum[r][part] = _mm256_add_epi32(sum[r][part], _mm256_madd_epi16(q, pair));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(x.scale[r * nb + b]);
+      const int32_t* sums = x.half_sums.data() + 2 * (r * nb + b);
+      const __m256i q0 = _mm256_sub_epi32(sum[r][0], _mm256_set1_epi32(32 * sums[0]));
+      const __m256i q1 = _mm256_sub_epi32(sum[r][1], _mm256_set1_epi32(32 * sums[1]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(s.d, scale), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(s.d2, scale), acc[r]);
     }
   }
   const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
