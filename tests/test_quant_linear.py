@@ -250,8 +250,8 @@ def test_fused_decode_runs_the_quantized_layers_bit_for_bit_as_the_python_loop(q
 @needs_kernel
 def test_smollm2_quantized_greedy_tokens_match_the_dequantized_model(quantized):
     """The issue's bar: at least 60 of 64 prompts' first 32 greedy tokens equal to those of the
-    de-quantized model (the same weights' values; the order of the sums differs and, with AVX-512
-    VNNI or AVX2, decode rows are rounded to int16 per block of 32: 64 of 64 on the AMX Xeon either way)."""
+    de-quantized model (the same weights' values; the order of the sums differs and decode rows are
+    rounded to int16 per block of 32: 64 of 64 on the AMX Xeon, as with the fp32 rows before them)."""
     dense = LLM("smollm2-135m", dtype="float32", kv_cache_memory="64MiB", quantization="none", quiet=True)
     assert dense.engine.weights_format == "float32"
     prompts = chat_prompts(quantized.tokenizer)

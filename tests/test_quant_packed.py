@@ -20,7 +20,6 @@ from engine.model.quant_linear import (
     QuantLinear,
     gate_up_kernel_available,
     gemv_rows,
-    int16_rows_available,
     kernel_available,
     pack_for_decode,
     packed_kernel_available,
@@ -36,7 +35,6 @@ needs_gate_up = pytest.mark.skipif(
     reason="no AVX512-BF16 here: test_without_avx512_a_gate_up_stays_a_packed_layer_and_the_pair_op_refuses runs",
 )
 GEMV_ROWS = gemv_rows() if kernel_available() else 4
-INT16 = PACKED and int16_rows_available()
 # (N, K): one tile; three tiles (N not a multiple of 32: AMX's last group half empty) and an odd
 # number of 32-blocks; SmolLM2's projections' shapes
 SHAPES = [(16, 32), (48, 96), (576, 160), (192, 576), (576, 1536)]
@@ -69,7 +67,7 @@ def test_packing_keeps_the_bytes_and_unpacks_to_the_files_blocks_bit_for_bit(fmt
 def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_order(fmt, shape):
     """1 to GEMV_ROWS bf16 and fp32 rows against the blocks' exact values (the
     reference's de-quantized fp32 weight, in float64): within the result's rounding, as the file
-    layout's kernel — and, where decode rows are int16 (AVX-512 VNNI, AVX2), within that rounding's bound."""
+    layout's kernel, and within the int16 rows' rounding's bound."""
     n, k = shape
     plain, packed = layer_pair(fmt, n, k, seed=3)
     k = plain.in_features
@@ -85,11 +83,8 @@ def test_decode_rows_on_the_tiles_compute_the_blocks_values_up_to_summation_orde
         assert ((y.double() - exact).abs() / scale).max() < 8e-3
         assert ((y.double() - plain(x).double()).abs() / scale).max() < 8e-3
         exact32 = x.float().double() @ dense.t() + bias.double()  # fp32 rows: within fp32's rounding
-        error = (packed(x.float()).double() - exact32).abs()
-        if INT16:  # and within the int16 rows' rounding, at most its bound
-            assert (error <= int16_bound(x.float(), dense) + 1e-5 * scale).all()
-            continue
-        assert (error / scale).max() < 1e-5
+        error = (packed(x.float()).double() - exact32).abs()  # and within the int16 rows' rounding's bound
+        assert (error <= int16_bound(x.float(), dense) + 1e-5 * scale).all()
 
 
 def int16_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -103,7 +98,6 @@ def int16_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 @needs_packed
-@pytest.mark.skipif(not INT16, reason="no AVX-512 VNNI or AVX2 here: decode rows stay fp32 (the test above holds them)")
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
 def test_int16_decode_rows_hold_a_bf16_row_and_propagate_nan(fmt):
     """A bf16 row whose blocks span at most 2^7 holds every value exactly in 16 bits: the int16 rows'

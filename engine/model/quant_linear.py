@@ -10,12 +10,12 @@ once for up to 256 rows and multiplies it with the fp32 panel GEMM's register bl
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
 Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are repacked at load (`pack_for_decode`: the same bytes,
-tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 columns per FMA (AVX-512
-with BF16; 8 per FMA with AVX2, csrc/quant_packed_avx2.h), each block's scale applied once per tile;
-more rows read AMX tiles or fp32 panels straight out of the tiles, no transpose. With AVX-512 VNNI
-(or AVX2) the decode rows of every packed format are int16 instead (`int16_rows_available`): each block
-of 32 activations rounded to 16 bits of its range, the products summed exactly in int32. Only where
-packing is switched off (`KVTOP_QUANT_PACK=0`) do the file layout's kernels above run.
+tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 columns a register as
+int16 (AVX-512 with BF16 and VNNI; 8 columns with AVX2, csrc/quant_packed_avx2.h) — each block of 32
+activations rounded to 16 bits of its range, the products summed exactly in int32, each block's
+scale applied once per tile; more rows read AMX tiles or fp32 panels straight out of the tiles, no
+transpose. Only where packing is switched off (`KVTOP_QUANT_PACK=0`) do the file layout's kernels
+above run.
 
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
@@ -64,12 +64,6 @@ def packed_kernel_available() -> bool:
 def gate_up_kernel_available() -> bool:
     """The kernel extension built here with SiLU-and-mul over gate/up tile pairs (AVX-512 BW + BF16)."""
     return cpu.says("quant_gate_up_supported")
-
-
-def int16_rows_available() -> bool:
-    """Decode rows (1 to 4) multiply packed Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tiles as int16 here (AVX-512 VNNI, or AVX2):
-    each block of 32 activations rounded to 16 bits of its range, then summed exactly in int32."""
-    return cpu.says("quant_int16_rows")
 
 
 PACKED_FORMATS = (  # what quant_pack repacks

@@ -4,33 +4,29 @@
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
 // the de-quantization, not the memory: each column's nibbles are widened, converted and multiplied
 // into a K-lane register, and every block's scale waits for a horizontal sum. Here a register holds
-// one K value of 16 columns, so one FMA is 16 useful products, each block's scale and offset are
-// applied once per tile (y += d * S + m * sum_k x_k, Q4_0's m = -8 d), and nothing is summed across
-// lanes. Activations are fp32 (a bf16 row is widened once per call): the results are the blocks'
-// values' products up to summation order, as quant_gemv's are.
-//
-// With AVX-512 VNNI (KVTOP_QUANT_I16), every packed format goes further: each block of 32 of a
+// 16 columns, each block's scale and offset are applied once per tile (y += d * S + m * sum_k x_k,
+// Q4_0's m = -8 d), and nothing is summed across lanes. The rows are int16: each block of 32 of a
 // row's values is rounded to int16 with one power-of-two scale (quant_packed.h's int16_scale says how
-// close), and vpdpwssd multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4, moved into its
-// words by one byte shuffle and a mask) by a pair of those int16 and sums both into int32, exactly: 32
-// products an instruction where the fp32 FMAs above take a shift, a permute and an FMA for 16, so
-// one row runs at what the cache delivers rather than at ports 0 and 5. Each block's integer sum is
-// scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K's word is its low
-// nibble | its high 2 bits << 4 (q6k_tile_rows), its q - 32 through the int16 values' sums per 16.
-// AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
+// close), and vpdpwssd (AVX-512 VNNI) multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4,
+// moved into its words by one byte shuffle and a mask) by a pair of those int16 and sums both into
+// int32, exactly: 32 products an instruction, where fp32 FMAs on the same tiles took a shift, a permute
+// and an FMA for 16 (benchmarks/HISTORY.md, #41's sixth pass), so one row runs at what the cache
+// delivers rather than at ports 0 and 5. Each block's integer sum is scaled once (d times the row's
+// scale); the offset term keeps x's fp32 sums. Q6_K's word is its low nibble | its high 2 bits << 4
+// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16. AVX2 does the same 8 columns at
+// a time with vpmaddwd and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
 // each of the file's groups along K in turn, 16 columns' worth:
 //   Q4_0 / Q4_1 / Q4_K: per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
-//     c's elements 8g .. 8g + 7, a nibble each. `vpermps` reads only an index's low 4 bits, so the
-//     dwords shifted right by 4j index a table of the floats 0..15 straight to the 16 columns'
-//     element 8g + j: a shift and a permute per FMA, no mask, no conversion. The scales (Q4_K's
-//     6-bit scales and mins, 16 columns a row) come out once per sub-block as 16 lanes. Q6_K's low 4
-//     bits are laid out so too, its high 2 bits beside them (a second table lookup and an add).
-//   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row's halves widened
-//     to 16 lanes of (column, parity) are multiplied by the broadcast pair (x[2r], x[2r + 1]) — one FMA
-//     for 8 columns' two K values; the pairs are summed at the tile's end.
+//     c's elements 8g .. 8g + 7, a nibble each (for the fp32 panels and AMX tiles, `vpermps` reads only
+//     an index's low 4 bits, so the dwords shifted right by 4j index a table of the floats 0..15
+//     straight to the 16 columns' element 8g + j). The scales (Q4_K's 6-bit scales and mins, 16
+//     columns a row) come out once per sub-block as 16 lanes. Q6_K's low 4 bits are laid out so too,
+//     its high 2 bits beside them.
+//   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row widened to words is
+//     16 columns' (element 2r, 2r + 1) pairs.
 // A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
 // pairs, of an AMX B tile (amx_linear.cpp): both read the packed weight without a transpose.
 // Without AVX-512 (with BF16), AVX2 + FMA + F16C reads the same tiles half a tile — 8 columns, one
@@ -83,15 +79,6 @@ bool supported() {
 // only; elsewhere a packed gate/up stays a plain packed layer and SiLU-and-mul runs after it.
 bool gate_up_supported() {
 #ifdef KVTOP_QUANT_PACKED
-  return true;
-#else
-  return false;
-#endif
-}
-
-// Up to 4 rows multiply every packed format's tiles as int16 (quantize_rows): AVX-512 VNNI, or AVX2.
-bool int16_rows() {
-#ifdef KVTOP_QUANT_I16
   return true;
 #else
   return false;
@@ -313,100 +300,10 @@ inline void store16(uint16_t* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// Q4 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), xsum fp32 [R, nb] (row stride
-// nb), y [R, 16] of T (bf16 or fp32) at stride ldy: the fp32 sums + bias, rounded once. Two chains of
-// FMAs per row (elements even and odd) keep both FMA units fed.
-template <int64_t F, typename T, int R>
-void q4_tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t nb,
-                  const float* bias, T* y, int64_t ldy) {
-  const __m512 values = nibble_values();
-  __m512 acc[R], macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Sub sub = packed_sub<F>(w, t, b, nb);
-    prefetch_block<F>(sub.values);
-    __m512 sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
-    if constexpr (F == kQ6_K) {  // a scale per 16 values: a sum per half, q signed (no offset term)
-      auto half = [&](auto h) {  // h a constant: the sums stay in registers
-        constexpr int H = decltype(h)::value;
-#pragma GCC unroll 16
-        for (int e = 16 * H; e < 16 * H + 16; ++e) {
-          const __m512 q = packed_q<F>(sub, e);
-          for (int r = 0; r < R; ++r)
-            sum[r][H] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[r * k + b * kBlock + e]), sum[r][H]);
-        }
-      };
-      half(std::integral_constant<int, 0>{});
-      half(std::integral_constant<int, 1>{});
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(sum[r][1], sub.d2, _mm512_fmadd_ps(sum[r][0], sub.d, acc[r]));
-      continue;
-    }
-    for (int g = 0; g < 4; ++g) {
-      const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512 q = _mm512_permutexvar_ps(j == 0 ? group : _mm512_srli_epi32(group, 4 * j), values);
-        for (int r = 0; r < R; ++r)
-          sum[r][j & 1] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[r * k + b * kBlock + 8 * g + j]), sum[r][j & 1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(sum[r][0], sum[r][1]), sub.d, acc[r]);
-      macc[r] = _mm512_fmadd_ps(sub.m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
-    }
-  }
-  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], macc[r]), bv));
-}
-
-// Q8_0 tile t's 16 columns for rows [0, R): x fp32 [R, K] (row stride k), y [R, 16] of T (bf16 or
-// fp32) at stride ldy. Lanes are (column, parity) for columns 0..7 (lo) and 8..15 (hi), summed in
-// pairs at the end.
-template <typename T, int R>
-void q8_tile_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_t nb, const float* bias, T* y,
-                  int64_t ldy) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Sub sub = packed_sub<kQ8_0>(w, t, b, nb);
-    prefetch_block<kQ8_0>(sub.values);
-    __m512 sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
-    for (int row = 0; row < 16; ++row) {
-      __m512 lo, hi;
-      q8_row(sub.values, row, lo, hi);
-      for (int r = 0; r < R; ++r) {
-        double pair;  // x[2 row], x[2 row + 1], broadcast as one 64-bit lane
-        std::memcpy(&pair, x + r * k + b * kBlock + 2 * row, 8);
-        const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
-        sum[r][0] = _mm512_fmadd_ps(lo, xp, sum[r][0]);
-        sum[r][1] = _mm512_fmadd_ps(hi, xp, sum[r][1]);
-      }
-    }
-    __m512 d_lo, d_hi;
-    column_pairs(sub.d, d_lo, d_hi);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(sum[r][0], d_lo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(sum[r][1], d_hi, acc[r][1]);
-    }
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    const __m512 cols = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][0], even, acc[r][1]),
-                                      _mm512_permutex2var_ps(acc[r][0], odd, acc[r][1]));
-    store16(y + r * ldy, _mm512_add_ps(cols, bv));
-  }
-}
-
 inline float block_sum(const float* x) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
 }
 
-#ifdef KVTOP_QUANT_I16
 // One block of 32 values of x as int16 (quant_packed.h's RowsI16: the pairs' order, int16_scale's scale).
 template <int64_t F>
 inline void quantize_block(const float* x, int16_t* out, float& scale) {
@@ -434,8 +331,9 @@ inline __m512i nibble_pairs(__m512i group, int j) {
 #endif
 }
 
-// q4_tile_rows above on int16 rows: each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd:
-// a nibble pair times an x pair a lane), then scaled once, d * x's scale, and the offset term as there.
+// Q4 tile t's 16 columns for rows [0, R) of int16 x, y [R, 16] of T (bf16 or fp32) at stride ldy:
+// each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd: a nibble pair times an x pair a
+// lane), then scaled once, d times x's scale; the offset term (m · Σx) through x's fp32 block sums.
 template <int64_t F, typename T, int R>
 void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t nb,
                       const float* bias, T* y, int64_t ldy) {
@@ -466,8 +364,8 @@ void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
   for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(_mm512_add_ps(acc[r], macc[r]), bv));
 }
 
-// q8_tile_rows above on int16 rows: row r of a block's values widened to words is 16 dwords of (element
-// 2r, 2r + 1) of a column, which one vpdpwssd multiplies by the x pair and sums: a lane a column.
+// Q8_0 tile t's 16 columns for rows [0, R) of int16 x: row r of a block's values widened to words is
+// 16 dwords of (element 2r, 2r + 1) of a column, which one vpdpwssd multiplies by the x pair and sums.
 template <typename T, int R>
 void q8_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t nb, const float* bias, T* y,
                       int64_t ldy) {
@@ -493,9 +391,6 @@ void q8_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int6
   for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(acc[r], bv));
 }
 
-#endif
-
-#ifdef KVTOP_QUANT_I16
 // Q6_K on int16 rows: a word is its value's low nibble | its high 2 bits << 4 (q in 0..63; the high
 // bits of elements e and e + 4 sit 16 bits apart, quant_packed.h's q6k_high_bit, so one shift moves
 // both pairs' to bits 4 and 5 of their words), the pairs as Q4's; each 16 values' sum, less 32 times
@@ -539,12 +434,10 @@ void q6k_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(acc[r], bv));
 }
-#endif
 
-// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows (const float*), or int16 rows (RowsI16) — into y;
-// xsum: Q4's per-block sums of x.
-template <int64_t F, typename X, typename T>
-void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+// Tiles [t0, t1) for m rows (1..4) of x as int16 rows into y; xsum: Q4's per-block sums of x (fp32).
+template <int64_t F, typename T>
+void tiles(const RowsI16& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t) {
@@ -554,10 +447,8 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
       constexpr int R = decltype(rows)::value;
       if constexpr (F == kQ8_0)
         q8_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
-#ifdef KVTOP_QUANT_I16
-      else if constexpr (F == kQ6_K && std::is_same_v<X, RowsI16>)
+      else if constexpr (F == kQ6_K)
         q6k_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
-#endif
       else
         q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
     };
@@ -570,14 +461,11 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
 namespace {
 
 using avx2::block_sum;
-#ifdef KVTOP_QUANT_I16
 using avx2::quantize_block;
-#endif
 
-// Tiles [t0, t1) for m rows (1..4) of x — fp32 rows, or int16 rows — half a tile at a
-// time (quant_packed_avx2.h).
-template <int64_t F, typename X, typename T>
-void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
+// Tiles [t0, t1) for m rows (1..4) of x as int16 rows, half a tile at a time (quant_packed_avx2.h).
+template <int64_t F, typename T>
+void tiles(const RowsI16& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
   const int64_t nb = k / kBlock;
   for (int64_t t = t0; t < t1; ++t)
@@ -588,10 +476,8 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
         constexpr int R = decltype(rows)::value;
         if constexpr (F == kQ8_0)
           avx2::q8_half_rows<T, R>(x, k, w, t, h, nb, bh, y + c, n);
-#ifdef KVTOP_QUANT_I16
-        else if constexpr (F == kQ6_K && std::is_same_v<X, RowsI16>)
+        else if constexpr (F == kQ6_K)
           avx2::q6k_half_rows<T, R>(x, k, w, t, h, nb, bh, y + c, n);
-#endif
         else
           avx2::q4_half_rows<F, T, R>(x, k, xsum, w, t, h, nb, bh, y + c, n);
       };
@@ -602,7 +488,7 @@ void tiles(const X& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w
 }  // namespace
 #endif
 
-#ifdef KVTOP_QUANT_I16
+#ifdef KVTOP_QUANT_PACKING
 namespace {
 
 // m rows of x fp32 [M, K] as int16 per block of 32 (quant_packed.h's RowsI16).
@@ -671,19 +557,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
   auto body = [&](auto f, auto* yp) {
     constexpr int64_t F = decltype(f)::value;
-#ifdef KVTOP_QUANT_I16
-    {
-      thread_local RowsI16 quantized;
-      const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
-      quantize_rows<F>(xp, m, k, quantized);
-      at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-        tiles<F>(rows, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-      });
-      return;
-    }
-#endif
+    thread_local RowsI16 quantized;
+    const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
+    quantize_rows<F>(xp, m, k, quantized);
     at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-      tiles<F>(xp, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
+      tiles<F>(rows, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
     });
   };
   auto by_output = [&](auto f) {
@@ -816,7 +694,6 @@ at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu) {
 TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_packed_supported() -> bool", &kvtop_packed::supported);
   m.def("quant_gate_up_supported() -> bool", &kvtop_packed::gate_up_supported);
-  m.def("quant_int16_rows() -> bool", &kvtop_packed::int16_rows);
   m.def("quant_pack(Tensor blocks, int format, int n) -> Tensor", &kvtop_packed::pack);
   m.def("quant_unpack(Tensor packed, int format, int n) -> Tensor", &kvtop_packed::unpack);
   m.def("quant_packed_rows(Tensor packed, Tensor ids, int n) -> Tensor", &kvtop_packed::packed_q8_rows);

@@ -25,16 +25,12 @@
 
 #include "quant_blocks.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // bf16 rows: vcvtneps2bf16
+// bf16 rows: vcvtneps2bf16; decode rows: vpdpwssd (every CPU with AVX512-BF16 has VNNI)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define KVTOP_QUANT_PACKED 1  // the 16-lane kernels below, and amx_linear.cpp's tiles
 #endif
 #if defined(KVTOP_QUANT_PACKED) || defined(KVTOP_QUANT_GEMM)
 #define KVTOP_QUANT_PACKING 1  // weights are packed and multiplied packed: 16 lanes, or AVX2's 8 (quant_packed.cpp)
-#endif
-// Up to 4 rows multiply the Q4 and Q8_0 tiles as int16 (quant_packed.cpp): AVX-512 with VNNI
-// (vpdpwssd), or AVX2 (vpmaddwd and an add)
-#if defined(KVTOP_QUANT_PACKING) && (!defined(KVTOP_QUANT_PACKED) || defined(__AVX512VNNI__))
-#define KVTOP_QUANT_I16 1
 #endif
 
 namespace kvtop_packed {
@@ -72,18 +68,17 @@ inline void prefetch_block(const uint8_t* block) {
 
 #endif
 
-#ifdef KVTOP_QUANT_I16
+#ifdef KVTOP_QUANT_PACKING
+// Up to 4 rows multiply the tiles as int16 (quant_packed.cpp): AVX-512 VNNI's vpdpwssd, or AVX2's
+// vpmaddwd and an add.
 // Rows of x as int16 per block of 32 values, one power-of-two scale a block (int16_scale), in the
-// pairs a tile's dwords multiply: Q4's dword 4g + j holds elements 8g + j and 8g + j + 4 (its nibbles j
-// and j + 4: within each 8 values the order kQ4PairOrder); Q8_0's dword r elements 2r and 2r + 1 (row r).
+// pairs a tile's dwords multiply: Q4's (and Q6_K's) dword 4g + j holds elements 8g + j and 8g + j + 4
+// (its nibbles j and j + 4); Q8_0's dword r elements 2r and 2r + 1 (row r).
 struct RowsI16 {
   std::vector<int32_t> pairs;      // [M, K / 2]
   std::vector<float> scale;        // [M, K / 32]
   std::vector<int32_t> half_sums;  // [M, K / 16], Q6_K only: each 16 values' sum (its q - 32's offset term)
 };
-
-// Q4's element order within each 8 values of a block of int16 rows (word w holds element kQ4PairOrder[w]).
-constexpr int kQ4PairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 // The scale of a block of 32 values whose largest |x| is amax in [2^(e - 1), 2^e) (`bad`: a NaN or an
 // infinity among them), and its inverse, which the values are multiplied by and rounded: 2^(e - 14),

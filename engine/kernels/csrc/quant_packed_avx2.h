@@ -144,86 +144,6 @@ inline float block_sum(const float* x) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
 }
 
-// Q4 / Q6_K half h of tile t for rows [0, R) (quant_packed.cpp's q4_tile_rows in 8 lanes): x fp32 [R, K]
-// (row stride k), xsum [R, nb], y [R, 8] of T at stride ldy. A block's scale and offset go into one
-// accumulator a row; two chains of FMAs a row where the registers allow (R <= 2).
-template <int64_t F, typename T, int R>
-void q4_half_rows(const float* x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t h, int64_t nb,
-                  const float* bias, T* y, int64_t ldy) {
-  constexpr int P = R <= 2 ? 2 : 1;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Half s = half_sub<F>(w, t, b, nb, h);
-    if (h == 0) prefetch_block<F>(s.values);
-    const float* xb = x + b * kBlock;
-    if constexpr (F == kQ6_K) {  // a scale per 16 values: a sum per half, q signed (no offset term)
-      __m256 sum[R][2];
-      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-#pragma GCC unroll 32
-      for (int e = 0; e < 32; ++e) {
-        const __m256 q = half_q<F>(s, e, h);
-        for (int r = 0; r < R; ++r) sum[r][e / 16] = _mm256_fmadd_ps(q, _mm256_set1_ps(xb[r * k + e]), sum[r][e / 16]);
-      }
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(sum[r][1], s.d2, _mm256_fmadd_ps(sum[r][0], s.d, acc[r]));
-      continue;
-    }
-    __m256 sum[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) sum[r][p] = _mm256_setzero_ps();
-    for (int g = 0; g < 4; ++g) {
-      const __m256i group = q4_group(s.values, g, h);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        const __m256 q = q4_element(group, i);
-        for (int r = 0; r < R; ++r)
-          sum[r][i % P] = _mm256_fmadd_ps(q, _mm256_set1_ps(xb[r * k + 8 * g + i]), sum[r][i % P]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 total = P == 2 ? _mm256_add_ps(sum[r][0], sum[r][P - 1]) : sum[r][0];
-      acc[r] = _mm256_fmadd_ps(s.m, _mm256_set1_ps(xsum[r * nb + b]), _mm256_fmadd_ps(total, s.d, acc[r]));
-    }
-  }
-  const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
-}
-
-// Q8_0 half h of tile t for rows [0, R) (quant_packed.cpp's q8_tile_rows in 8 lanes): lanes are
-// (column, parity) for the half's columns 0..3 (lo) and 4..7 (hi), summed in pairs at the end.
-template <typename T, int R>
-void q8_half_rows(const float* x, int64_t k, const uint8_t* w, int64_t t, int64_t h, int64_t nb, const float* bias,
-                  T* y, int64_t ldy) {
-  const __m256i lo_pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi_pairs = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Half s = half_sub<kQ8_0>(w, t, b, nb, h);
-    if (h == 0) prefetch_block<kQ8_0>(s.values);
-    __m256 sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-    for (int row = 0; row < 16; ++row) {
-      __m256 lo, hi;
-      q8_row(s.values, row, h, lo, hi);
-      for (int r = 0; r < R; ++r) {
-        double pair;  // x[2 row], x[2 row + 1], broadcast as one 64-bit lane
-        std::memcpy(&pair, x + r * k + b * kBlock + 2 * row, 8);
-        const __m256 xp = _mm256_castpd_ps(_mm256_set1_pd(pair));
-        sum[r][0] = _mm256_fmadd_ps(lo, xp, sum[r][0]);
-        sum[r][1] = _mm256_fmadd_ps(hi, xp, sum[r][1]);
-      }
-    }
-    const __m256 d_lo = _mm256_permutevar8x32_ps(s.d, lo_pairs), d_hi = _mm256_permutevar8x32_ps(s.d, hi_pairs);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm256_fmadd_ps(sum[r][0], d_lo, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(sum[r][1], d_hi, acc[r][1]);
-    }
-  }
-  const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(column_order(_mm256_hadd_ps(acc[r][0], acc[r][1])), bv));
-}
-
-#ifdef KVTOP_QUANT_I16
 // One block of 32 values of x as int16 (quant_packed.h's RowsI16: the pairs' order, int16_scale's
 // scale; quant_packed.cpp's quantize_block in 8 lanes).
 template <int64_t F>
@@ -250,8 +170,9 @@ inline void quantize_block(const float* x, int16_t* out, float& scale) {
   }
 }
 
-// q4_half_rows above on int16 rows: a dword's nibbles j and j + 4, masked into its words, times an x
-// pair (vpmaddwd), summed exactly in int32 a block, then scaled once (d times x's scale).
+// Q4 half h of tile t for rows [0, R) (quant_packed.cpp's q4_tile_rows in 8 lanes): a dword's nibbles
+// j and j + 4, masked into its words, times an x pair (vpmaddwd), summed exactly in int32 a block, then
+// scaled once (d times x's scale); the offset term through x's fp32 block sums (xsum [R, nb]).
 template <int64_t F, typename T, int R>
 void q4_half_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t h, int64_t nb,
                   const float* bias, T* y, int64_t ldy) {
@@ -328,8 +249,9 @@ void q6k_half_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int
   for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
 }
 
-// q8_half_rows above on int16 rows: row r of the half's 16 bytes widened to words is 8 columns'
-// (element 2r, 2r + 1) pairs, which vpmaddwd multiplies by the x pair and sums: a lane a column.
+// Q8_0 half h of tile t for rows [0, R) (quant_packed.cpp's q8_tile_rows in 8 lanes): row r of the
+// half's 16 bytes widened to words is 8 columns' (element 2r, 2r + 1) pairs, which vpmaddwd multiplies
+// by the x pair and sums: a lane a column.
 template <typename T, int R>
 void q8_half_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int64_t h, int64_t nb, const float* bias,
                   T* y, int64_t ldy) {
@@ -352,8 +274,6 @@ void q8_half_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int6
   const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) store8(y + r * ldy, _mm256_add_ps(acc[r], bv));
 }
-#endif
-
 // Tile t's 16 columns as fp32 panel rows (quant_packed.cpp's panel_rows): seg [K, width] at the tile's
 // first column, row k holding the reference's value of element k, half by half.
 template <int64_t F>
