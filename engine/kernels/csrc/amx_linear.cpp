@@ -16,9 +16,10 @@
 //
 // GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear and quant_gate_up): a bf16 model's
 // rows past the decode rows, multiplied by tiles de-quantized a group of 32 columns at a time into
-// this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — a run of groups in a
-// thread's buffer for a decode step's rows, a slab shared by the threads for prefill's — then by
-// run_groups as above, with amx_gate_up's epilogues for a gate/up weight packed in tile pairs.
+// this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — for a decode step's
+// rows each thread's next group while the last one multiplies (Pipelined), for prefill's a slab
+// shared by the threads — then by run_groups as above, with amx_gate_up's epilogues for a gate/up
+// weight packed in tile pairs.
 //
 // The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
 // on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
@@ -118,11 +119,12 @@ inline void drain(Pending& p, int64_t upto) {
 
 // Rows [m0, m0 + 32) (two A tiles, or one when TWO_A is false) against group g (two B tiles),
 // all of K; the 32 x 32 fp32 result into `acc` (row stride 32 floats). Each K step also prefetches
-// `next_lines` lines from `next` on into L2 (run_groups: the next group's share for this pass) and
-// writes out `prev`'s next rows; what is left of `prev` is written before the tiles are stored.
-template <bool TWO_A, bool PREFETCH>
+// `next_lines` lines from `next` on into L2 (run_groups: the next group's share for this pass),
+// writes out `prev`'s next rows and calls shadow(kb) (run_groups: the source's work in the tiles'
+// shadow); what is left of `prev` is written before the tiles are stored.
+template <bool TWO_A, bool PREFETCH, class Shadow>
 void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t kb_count,
-                                 float* acc, const char* next, int64_t next_lines, Pending& prev) {
+                                 float* acc, const char* next, int64_t next_lines, Pending& prev, Shadow&& shadow) {
   const int64_t rows_per_kb = (prev.rows + kb_count - 1) / kb_count;
   _tile_zero(0);
   _tile_zero(1);
@@ -148,6 +150,7 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
       _tile_dpbf16ps(3, 5, 7);
     }
     drain(prev, (kb + 1) * rows_per_kb);
+    shadow(kb);
   }
   drain(prev, prev.rows);
   KVTOP_MEMORY_BARRIER();  // prev's rows are read before acc (possibly the same buffer's twin) is stored
@@ -160,11 +163,23 @@ void tile_block(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, in
   KVTOP_MEMORY_BARRIER();  // ... and the tiles are in acc before anything reads it
 }
 
-// Groups [g0, g1) of M-block mb (`w`: group g0's tiles, the others after it): every 32-row chunk of
-// the block against each group's tiles. Each block's result is written out during the next block (two
-// fp32 buffers take turns); the last one after the loop.
+// Where run_groups finds a group's tiles: laid out one group after another from group g0's (a packed
+// bf16 weight, or a slab of de-quantized groups), nothing to do in the tiles' shadow.
+struct Contiguous {
+  static constexpr bool kStreams = true;  // the next group's tiles are in memory: run_groups prefetches them
+  const uint16_t* w;
+  int64_t g0, group_elems;
+  const uint16_t* tiles(int64_t g) const { return w + (g - g0) * group_elems; }
+  void shadow(int64_t, int64_t, int64_t) {}
+};
+
+// Groups [g0, g1) of M-block mb, their tiles from `source` (Contiguous, or quant_tiles' Pipelined):
+// every 32-row chunk of the block against each group's tiles. Each block's result is written out
+// during the next block (two fp32 buffers take turns); the last one after the loop. Each K step of
+// group g's passes (step s of `steps`) also calls source.shadow(g, s, steps).
+template <class Source>
 void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
-                                 const uint16_t* w, int64_t kb_count, const float* bias, int64_t n,
+                                 Source& source, int64_t kb_count, const float* bias, int64_t n,
                                  uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
   // kGateUp / kSiluMul: group g holds gate columns [16g, 16g + 16) and the same up columns
   const int64_t inter = n / 2, out_stride = kind == Epilogue::kSiluMul ? inter : n;
@@ -182,29 +197,32 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
       std::copy(bias + n0, bias + n0 + cols, pad);
       bg = pad;
     }
-    const uint16_t* wg = w + (g - g0) * kb_count * 2 * kTileElems;
+    KVTOP_MEMORY_BARRIER();  // the source's stores of group g's tiles come before their tile loads
+    const uint16_t* wg = source.tiles(g);
     // With more than one 32-row pass over a group, every pass also pulls a share of the next group's
     // lines into L2 (the passes together: all of it), so the weight keeps streaming from DRAM while
     // later passes reuse this group from cache. SmolLM2's linears, weights from DRAM (linear.py
     // --cold), three alternations: 64 rows 0.95x, 0.96x, 1.01x the time; 256 rows 0.94-0.97x. One
     // pass (up to 32 rows) streams on its own: the extra prefetches measured 1.0-1.06x there, so none.
     const int64_t passes = (m_end - m_begin + 2 * kTileRows - 1) / (2 * kTileRows);
-    const int64_t per_kb = passes > 1 && g + 1 < g1 ? 2 * kTileElems * 2 / 64 / passes : 0;  // lines per K step and pass
+    const int64_t per_kb =  // lines per K step and pass
+        Source::kStreams && passes > 1 && g + 1 < g1 ? 2 * kTileElems * 2 / 64 / passes : 0;
     for (int64_t m = m_begin; m < m_end; m += 2 * kTileRows) {
       const int64_t rows = std::min<int64_t>(2 * kTileRows, m_end - m);
       const uint16_t* a = x + m * x_stride;
       const int64_t pass = (m - m_begin) / (2 * kTileRows);
       const char* next = reinterpret_cast<const char*>(wg + kb_count * 2 * kTileElems) + pass * per_kb * kb_count * 64;
       float* block_acc = acc[which];
+      auto shadow = [&](int64_t kb) { source.shadow(g, pass * kb_count + kb, passes * kb_count); };
       // A single pass prefetches ahead into L1 (into the next group: the weight is one stream). With
       // more passes the next group is already coming into L2 (above), and the L1 prefetch only cost:
       // linear.py --cold, three alternations, 64 rows 0.90-0.94x the time without it, 256 rows 0.88-0.95x.
-      if (passes == 1) {
-        if (rows > kTileRows) tile_block<true, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
-        else tile_block<false, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
+      if (passes == 1 && Source::kStreams) {
+        if (rows > kTileRows) tile_block<true, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
+        else tile_block<false, true>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
       } else {
-        if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
-        else tile_block<false, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev);
+        if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
+        else tile_block<false, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
       }
       uint16_t* dst = out + m * out_stride + (kind == Epilogue::kPlain ? n0 : n0 / 2);
       prev = Pending{block_acc, rows, 0, bg, dst, out_stride, cols, inter, kind};
@@ -270,8 +288,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   at::parallel_for(0, blocks * groups, 1, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {
       const int64_t mb = t0 / groups, g0 = t0 % groups, g1 = std::min(groups, g0 + (t1 - t0));
-      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), wp + g0 * kbs * 2 * kTileElems, kbs, bp,
-                 n, op, g0, g1, kind);
+      Contiguous source{wp + g0 * kbs * 2 * kTileElems, g0, kbs * 2 * kTileElems};
+      run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), source, kbs, bp, n, op, g0, g1, kind);
       t0 += g1 - g0;
     }
   });
@@ -320,72 +338,89 @@ inline void transpose16(const __m512i in[16], __m512i out[16]) {
   }
 }
 
-// Group g's tiles ([K/32][2][16][32] bf16, as _pack_tiles lays out the bf16 weight) from the blocks:
-// each sub-block of 32 values as the reference de-quantizes it (fp32), rounded to bf16 to nearest
-// even as torch's .to(torch.bfloat16) rounds; columns past n zero.
+// Tile (kb, h) of group g ([16][32] bf16: B-tile row r holds the pairs (2r, 2r + 1) of the 16 columns
+// 32g + 16h + c, as _pack_tiles lays out the bf16 weight) from the file's blocks: each sub-block of 32
+// values as the reference de-quantizes it (fp32), rounded to bf16 to nearest even as torch's
+// .to(torch.bfloat16) rounds; columns past n zero.
 template <int64_t F>
-void dequant_group(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
+void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t h, int64_t kb, int64_t n, uint16_t* tile) {
   constexpr int64_t kG = kvtop_quant::group_blocks(F);
   const int64_t bytes = kvtop_quant::group_bytes(F);
-  for (int64_t kb = 0; kb < kbs; ++kb) {
-    for (int h = 0; h < 2; ++h) {
-      __m512i cols[16], rows[16];
-      for (int c = 0; c < 16; ++c) {
-        const int64_t col = g * kGroupN + 16 * h + c;
-        if (col >= n) {
-          cols[c] = _mm512_setzero_si512();
-          continue;
-        }
-        __m512 v[2];
-        kvtop_quant::dequant_block16<F>(w + col * row_bytes + kb / kG * bytes, kb % kG, v);
-        cols[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0]));
-      }
-      transpose16(cols, rows);
-      uint16_t* tile = tiles + (kb * 2 + h) * kTileElems;
-      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * kTileK, rows[r]);
+  __m512i cols[16], rows[16];
+  for (int c = 0; c < 16; ++c) {
+    const int64_t col = g * kGroupN + 16 * h + c;
+    if (col >= n) {
+      cols[c] = _mm512_setzero_si512();
+      continue;
     }
+    __m512 v[2];
+    kvtop_quant::dequant_block16<F>(w + col * row_bytes + kb / kG * bytes, kb % kG, v);
+    cols[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0]));
   }
+  transpose16(cols, rows);
+  for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * kTileK, rows[r]);
 }
 
-// Group g's tiles, as dequant_group makes them, from a weight packed for decode (quant_packed.h): a
-// packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
+// Tile (kb, h) of group g, as dequant_tile makes it, from a weight packed for decode (quant_packed.h):
+// a packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
 // 2r + 1: for Q4_0, Q4_1, Q4_K and Q6_K the values quant_packed.cpp's kernel reads, scaled as the
 // reference does (packed_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
 // itself, times d. No transpose.
 template <int64_t F>
-void dequant_packed_group(const uint8_t* w, int64_t g, int64_t n, int64_t kbs, uint16_t* tiles) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
-  for (int h = 0; h < 2; ++h) {
-    const int64_t t = 2 * g + h;
-    for (int64_t kb = 0; kb < kbs; ++kb) {
-      uint16_t* tile = tiles + (kb * 2 + h) * kTileElems;
-      if (16 * t >= n) {
-        std::memset(tile, 0, kTileElems * 2);
-        continue;
-      }
-      const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
-      kvtop_packed::prefetch_block<F>(sub.values);
-      if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
-        __m512 d0, d1;
-        kvtop_packed::column_pairs(sub.d, d0, d1);
-        for (int r = 0; r < 16; ++r) {
-          __m512 q0, q1;
-          kvtop_packed::q8_row(sub.values, r, q0, q1);
-          _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                                     _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
-        }
-      } else {
-        for (int r = 0; r < 16; ++r) {
-          const __m512 even = kvtop_packed::packed_weight<F>(sub, 2 * r);
-          const __m512 odd = kvtop_packed::packed_weight<F>(sub, 2 * r + 1);
-          const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
-          _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
-        }
-      }
+void dequant_packed_tile(const uint8_t* w, int64_t g, int64_t h, int64_t kb, int64_t kbs, int64_t n, uint16_t* tile) {
+  const int64_t t = 2 * g + h;
+  if (16 * t >= n) {
+    std::memset(tile, 0, kTileElems * 2);
+    return;
+  }
+  const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
+  kvtop_packed::prefetch_block<F>(sub.values);
+  if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
+    __m512 d0, d1;
+    kvtop_packed::column_pairs(sub.d, d0, d1);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      __m512 q0, q1;
+      kvtop_packed::q8_row(sub.values, r, q0, q1);
+      _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                                 _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
+    }
+  } else {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
+    // unrolled, so that each row's shifts and offsets are constants: the loop as written was front-end
+    // bound (~35 instructions a row, 0.35 cycles a weight on the Xeon; 0.2 unrolled)
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512 even = kvtop_packed::packed_weight<F>(sub, 2 * r);
+      const __m512 odd = kvtop_packed::packed_weight<F>(sub, 2 * r + 1);
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
+      _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
     }
   }
 }
+
+// Group g + 1's tiles de-quantized while group g multiplies (quant_tiles' decode rows): two buffers of
+// one group's tiles take turns, and each K step of group g's passes makes its share of the next
+// group's 2 * kbs tiles, which stay in L1/L2 from their stores to their tile loads. Against runs of
+// groups de-quantized and then multiplied: 64 and 128 rows of SmolLM2's gate/up 0.90-0.94x the time
+// (benchmarks/HISTORY.md, #41's seventh pass). The AVX-512 work itself mostly does not hide behind
+// the tiles on the Xeon: there, 64 rows took 76-84 us with the de-quantization skipped, ~90 us for
+// the de-quantization alone, 137-157 us both.
+template <class DequantTile>
+struct Pipelined {
+  static constexpr bool kStreams = false;  // the next group's tiles are being made, not to be prefetched
+  DequantTile dequant_tile;                // (g, h, kb, tile)
+  uint16_t* buffers[2];
+  int64_t g_end, kbs;
+  const uint16_t* tiles(int64_t g) const { return buffers[g & 1]; }
+  void make(int64_t g, int64_t u0, int64_t u1) {  // tiles u0 .. u1 - 1 (tile u: kb = u / 2, h = u % 2)
+    for (int64_t u = u0; u < u1; ++u) dequant_tile(g, u % 2, u / 2, buffers[g & 1] + u * kTileElems);
+  }
+  void shadow(int64_t g, int64_t step, int64_t steps) {
+    if (g + 1 < g_end) make(g + 1, 2 * kbs * step / steps, 2 * kbs * (step + 1) / steps);
+  }
+};
 #endif
 
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
@@ -423,28 +458,24 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   static thread_local std::vector<uint16_t> slab_buffer;  // prefill's slabs, the calling thread's: no page faults a call
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
-    auto dequant = [&](int64_t g, uint16_t* group_tiles) {
+    auto dequant_tile_of = [&](int64_t g, int64_t h, int64_t kb, uint16_t* tile) {
       if (packed)
-        dequant_packed_group<F>(wp, g, n, kbs, group_tiles);
+        dequant_packed_tile<F>(wp, g, h, kb, kbs, n, tile);
       else
-        dequant_group<F>(wp, row_bytes, g, n, kbs, group_tiles);
+        dequant_tile<F>(wp, row_bytes, g, h, kb, n, tile);
+    };
+    auto dequant = [&](int64_t g, uint16_t* group_tiles) {
+      for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);
     };
     if (m <= kBlockM) {
-      // One M block (a decode step's rows): a task de-quantizes a run of groups into its thread's
-      // buffer (up to ~512 KiB, the runs a multiple of the threads) and multiplies the rows by them
-      // while they are in L2. (De-quantizing the next group in the tiles' shadow, as the epilogue
-      // runs there, measured no faster on the Xeon: 64 rows of SmolLM2's gate/up, 302 against 296 us.)
-      const int64_t threads = at::get_num_threads(), fit = std::max<int64_t>(1, (512 << 10) / (group_elems * 2));
-      int64_t per_task = (groups + threads - 1) / threads;
-      for (int64_t runs = 2; per_task > fit; ++runs) per_task = (groups + runs * threads - 1) / (runs * threads);
-      at::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
-        thread_local std::vector<uint16_t> tiles;
-        tiles.resize(per_task * group_elems);
-        for (int64_t task = t0; task < t1; ++task) {
-          const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
-          for (int64_t g = g0; g < g1; ++g) dequant(g, tiles.data() + (g - g0) * group_elems);
-          run_groups(ap, a_stride, 0, m, tiles.data(), kbs, bp, n, op, g0, g1, kind);
-        }
+      // One M block (a decode step's rows): each thread takes a run of groups, de-quantizes the first
+      // and then each next one in the shadow of the tile multiplies of the one before (Pipelined).
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        thread_local std::vector<uint16_t> pair;
+        pair.resize(2 * group_elems);
+        Pipelined<decltype(dequant_tile_of)> source{dequant_tile_of, {pair.data(), pair.data() + group_elems}, g1, kbs};
+        source.make(g0, 0, 2 * kbs);
+        run_groups(ap, a_stride, 0, m, source, kbs, bp, n, op, g0, g1, kind);
       });
       return;
     }
@@ -464,8 +495,9 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
       at::parallel_for(0, blocks * count, 1, [&](int64_t t0, int64_t t1) {
         while (t0 < t1) {
           const int64_t mb = t0 / count, g0 = t0 % count, g1 = std::min(count, g0 + (t1 - t0));
-          run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), tiles + g0 * group_elems, kbs, bp, n,
-                     op, s0 + g0, s0 + g1, kind);
+          Contiguous source{tiles + g0 * group_elems, s0 + g0, group_elems};
+          run_groups(ap, a_stride, mb * kBlockM, std::min(m, (mb + 1) * kBlockM), source, kbs, bp, n, op, s0 + g0,
+                     s0 + g1, kind);
           t0 += g1 - g0;
         }
       });
