@@ -423,6 +423,63 @@ struct Pipelined {
 };
 #endif
 
+// Groups [g0, g1) for up to 32 rows (one pass: the accumulators stay in their tiles all of K), each
+// group's tiles made by `dequant_tile` (g, h, kb, tile) a K chunk at a time into a buffer that stays
+// in L1 and multiplied from there; then the group's rows are written out. Pipelined (above) keeps a
+// whole group for the passes of more rows, through L2: at 16 rows of SmolLM2's gate/up this took
+// 0.77-0.85x its time (benchmarks/HISTORY.md, #41's seventh pass).
+template <class DequantTile>
+void run_groups_one_pass(const uint16_t* x, int64_t x_stride, int64_t m, DequantTile& dequant_tile, int64_t kbs,
+                         const float* bias, int64_t n, uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
+  constexpr int64_t kChunk = 8;  // K blocks a chunk: 16 KiB of tiles (4 and 16 measured slower)
+  const int64_t inter = n / 2, out_stride = kind == Epilogue::kSiluMul ? inter : n;
+  alignas(64) uint16_t chunk[kChunk * 2 * kTileElems];
+  alignas(64) float acc[32 * 32];
+  alignas(64) float bias_pad[32];
+  configure_tiles();
+  for (int64_t g = g0; g < g1; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb0 = 0; kb0 < kbs; kb0 += kChunk) {
+      const int64_t kb1 = std::min(kbs, kb0 + kChunk);
+      KVTOP_MEMORY_BARRIER();  // the last chunk's tile loads before this chunk's stores
+      for (int64_t kb = kb0; kb < kb1; ++kb)
+        for (int64_t h = 0; h < 2; ++h) dequant_tile(g, h, kb, chunk + ((kb - kb0) * 2 + h) * kTileElems);
+      KVTOP_MEMORY_BARRIER();  // ... and its stores before its tile loads
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const uint16_t* bt = chunk + (kb - kb0) * 2 * kTileElems;
+        _tile_loadd(4, x + kb * kTileK, x_stride * 2);
+        _tile_loadd(6, bt, 64);
+        _tile_loadd(7, bt + kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (m > kTileRows) {
+          _tile_loadd(5, x + kTileRows * x_stride + kb * kTileK, x_stride * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+    }
+    _tile_stored(0, acc, 32 * 4);
+    _tile_stored(1, acc + 16, 32 * 4);
+    _tile_stored(2, acc + 16 * 32, 32 * 4);
+    _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
+    KVTOP_MEMORY_BARRIER();  // the tiles are in acc before it is read
+    const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
+    const float* bg = nullptr;
+    if (bias) {
+      std::fill(bias_pad, bias_pad + 32, 0.0f);
+      std::copy(bias + n0, bias + n0 + cols, bias_pad);
+      bg = bias_pad;
+    }
+    Pending block{acc, m, 0, bg, out + (kind == Epilogue::kPlain ? n0 : n0 / 2), out_stride, cols, inter, kind};
+    drain(block, m);
+  }
+  release_tiles();
+}
+
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
 // `format` (csrc/quant_blocks.h): for many rows on AMX. One task is a group of 32 output columns:
 // its tiles are de-quantized into the thread's buffer (the bf16 weight's tiles, value for value) and
@@ -468,8 +525,15 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
       for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);
     };
     if (m <= kBlockM) {
-      // One M block (a decode step's rows): each thread takes a run of groups, de-quantizes the first
-      // and then each next one in the shadow of the tile multiplies of the one before (Pipelined).
+      // One M block (a decode step's rows): each thread takes a run of groups. Up to 32 rows, each
+      // group a K chunk at a time in L1 (run_groups_one_pass); more, each group's tiles made in the
+      // shadow of the tile multiplies of the group before (Pipelined).
+      if (m <= 2 * kTileRows) {
+        at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+          run_groups_one_pass(ap, a_stride, m, dequant_tile_of, kbs, bp, n, op, g0, g1, kind);
+        });
+        return;
+      }
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
         thread_local std::vector<uint16_t> pair;
         pair.resize(2 * group_elems);
