@@ -423,49 +423,78 @@ struct Pipelined {
 };
 #endif
 
-// Groups [g0, g1) for up to 32 rows (one pass: the accumulators stay in their tiles all of K), each
-// group's tiles made by `dequant_tile` (g, h, kb, tile) a K chunk at a time into a buffer that stays
-// in L1 and multiplied from there; then the group's rows are written out. Pipelined (above) keeps a
-// whole group for the passes of more rows, through L2: at 16 rows of SmolLM2's gate/up this took
-// 0.77-0.85x its time (benchmarks/HISTORY.md, #41's seventh pass).
-template <class DequantTile>
-void run_groups_one_pass(const uint16_t* x, int64_t x_stride, int64_t m, DequantTile& dequant_tile, int64_t kbs,
-                         const float* bias, int64_t n, uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
-  constexpr int64_t kChunk = 8;  // K blocks a chunk: 16 KiB of tiles (4 and 16 measured slower)
+// Groups [g0, g1) for up to 64 rows, each group's tiles made by `dequant_tile` (g, h, kb, tile) a K
+// chunk at a time into a buffer that stays in L1 and multiplied from there, the accumulators in
+// their tiles all of K: up to 32 rows, two A tiles against a K step's two B tiles; 33 to 64 (TALL),
+// four A tiles against one, the group's two 16-column halves in turn. Then the group's rows are
+// written out. Pipelined (above) keeps a whole group for the passes of more rows, its stores and tile
+// loads through L2: against it, SmolLM2's gate/up took 0.80-0.87x the time at 8 and 16 rows,
+// 0.81-0.90x at 48 and 64 (benchmarks/HISTORY.md, #41's seventh pass).
+template <bool TALL, class DequantTile>
+void run_groups_in_l1(const uint16_t* x, int64_t x_stride, int64_t m, DequantTile& dequant_tile, int64_t kbs,
+                      const float* bias, int64_t n, uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
+  constexpr int64_t kChunk = 8;  // K blocks a chunk (16 and 32 measured slower; 4 and 6 no different)
+  constexpr int64_t kHalves = TALL ? 2 : 1, kTilesPerKb = TALL ? 1 : 2;
   const int64_t inter = n / 2, out_stride = kind == Epilogue::kSiluMul ? inter : n;
-  alignas(64) uint16_t chunk[kChunk * 2 * kTileElems];
-  alignas(64) float acc[32 * 32];
+  const int64_t a_bytes = x_stride * 2, a_tile = kTileRows * x_stride;  // an A tile's stride; its 16 rows
+  alignas(64) uint16_t chunk[kChunk * kTilesPerKb * kTileElems];
+  alignas(64) float acc[64 * 32];  // rows of 32 floats
   alignas(64) float bias_pad[32];
   configure_tiles();
   for (int64_t g = g0; g < g1; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb0 = 0; kb0 < kbs; kb0 += kChunk) {
-      const int64_t kb1 = std::min(kbs, kb0 + kChunk);
-      KVTOP_MEMORY_BARRIER();  // the last chunk's tile loads before this chunk's stores
-      for (int64_t kb = kb0; kb < kb1; ++kb)
-        for (int64_t h = 0; h < 2; ++h) dequant_tile(g, h, kb, chunk + ((kb - kb0) * 2 + h) * kTileElems);
-      KVTOP_MEMORY_BARRIER();  // ... and its stores before its tile loads
-      for (int64_t kb = kb0; kb < kb1; ++kb) {
-        const uint16_t* bt = chunk + (kb - kb0) * 2 * kTileElems;
-        _tile_loadd(4, x + kb * kTileK, x_stride * 2);
-        _tile_loadd(6, bt, 64);
-        _tile_loadd(7, bt + kTileElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (m > kTileRows) {
-          _tile_loadd(5, x + kTileRows * x_stride + kb * kTileK, x_stride * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+    for (int64_t half = 0; half < kHalves; ++half) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb0 = 0; kb0 < kbs; kb0 += kChunk) {
+        const int64_t kb1 = std::min(kbs, kb0 + kChunk);
+        KVTOP_MEMORY_BARRIER();  // the last chunk's tile loads before this chunk's stores
+        for (int64_t kb = kb0; kb < kb1; ++kb)
+          for (int64_t j = 0; j < kTilesPerKb; ++j)
+            dequant_tile(g, TALL ? half : j, kb, chunk + ((kb - kb0) * kTilesPerKb + j) * kTileElems);
+        KVTOP_MEMORY_BARRIER();  // ... and its stores before its tile loads
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
+          const uint16_t* bt = chunk + (kb - kb0) * kTilesPerKb * kTileElems;
+          const uint16_t* a = x + kb * kTileK;
+          if constexpr (TALL) {  // C tile i: rows 16i .. 16i + 15, this half's 16 columns
+            _tile_loadd(6, bt, 64);
+            _tile_loadd(4, a, a_bytes);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a + a_tile, a_bytes);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_loadd(7, a + 2 * a_tile, a_bytes);
+            _tile_dpbf16ps(2, 7, 6);
+            if (m > 3 * kTileRows) {
+              _tile_loadd(4, a + 3 * a_tile, a_bytes);
+              _tile_dpbf16ps(3, 4, 6);
+            }
+          } else {  // C tiles 0, 1: rows 0 .. 15, columns 0 .. 15 and 16 .. 31; 2, 3: rows 16 .. 31
+            _tile_loadd(4, a, a_bytes);
+            _tile_loadd(6, bt, 64);
+            _tile_loadd(7, bt + kTileElems, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (m > kTileRows) {
+              _tile_loadd(5, a + a_tile, a_bytes);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
         }
       }
+      if constexpr (TALL) {
+        _tile_stored(0, acc + 16 * half, 32 * 4);
+        _tile_stored(1, acc + 16 * 32 + 16 * half, 32 * 4);
+        _tile_stored(2, acc + 32 * 32 + 16 * half, 32 * 4);
+        _tile_stored(3, acc + 48 * 32 + 16 * half, 32 * 4);
+      } else {
+        _tile_stored(0, acc, 32 * 4);
+        _tile_stored(1, acc + 16, 32 * 4);
+        _tile_stored(2, acc + 16 * 32, 32 * 4);
+        _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
+      }
     }
-    _tile_stored(0, acc, 32 * 4);
-    _tile_stored(1, acc + 16, 32 * 4);
-    _tile_stored(2, acc + 16 * 32, 32 * 4);
-    _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
     KVTOP_MEMORY_BARRIER();  // the tiles are in acc before it is read
     const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
     const float* bg = nullptr;
@@ -525,12 +554,15 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
       for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);
     };
     if (m <= kBlockM) {
-      // One M block (a decode step's rows): each thread takes a run of groups. Up to 32 rows, each
-      // group a K chunk at a time in L1 (run_groups_one_pass); more, each group's tiles made in the
+      // One M block (a decode step's rows): each thread takes a run of groups. Up to 64 rows, each
+      // group a K chunk at a time in L1 (run_groups_in_l1); more, each group's tiles made in the
       // shadow of the tile multiplies of the group before (Pipelined).
-      if (m <= 2 * kTileRows) {
+      if (m <= 4 * kTileRows) {
         at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-          run_groups_one_pass(ap, a_stride, m, dequant_tile_of, kbs, bp, n, op, g0, g1, kind);
+          if (m <= 2 * kTileRows)
+            run_groups_in_l1<false>(ap, a_stride, m, dequant_tile_of, kbs, bp, n, op, g0, g1, kind);
+          else
+            run_groups_in_l1<true>(ap, a_stride, m, dequant_tile_of, kbs, bp, n, op, g0, g1, kind);
         });
         return;
       }
