@@ -421,7 +421,6 @@ struct Pipelined {
     if (g + 1 < g_end) make(g + 1, 2 * kbs * step / steps, 2 * kbs * (step + 1) / steps);
   }
 };
-#endif
 
 // Groups [g0, g1) for up to 64 rows, each group's tiles made by `dequant_tile` (g, h, kb, tile) a K
 // chunk at a time into a buffer that stays in L1 and multiplied from there, the accumulators in
@@ -508,6 +507,8 @@ void run_groups_in_l1(const uint16_t* x, int64_t x_stride, int64_t m, DequantTil
   }
   release_tiles();
 }
+
+#endif  // KVTOP_AMX && KVTOP_QUANT_GEMM
 
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
 // `format` (csrc/quant_blocks.h): for many rows on AMX. One task is a group of 32 output columns:
