@@ -90,6 +90,18 @@ struct Pending {
   Epilogue kind = Epilogue::kPlain;
 };
 
+// Group g's bias (its columns n0 .. n0 + cols) zero-padded to 32 floats in `pad`; null without a bias.
+inline const float* group_bias(const float* bias, int64_t n0, int64_t cols, float* pad) {
+  if (!bias) return nullptr;
+  std::fill(pad, pad + 32, 0.0f);
+  std::copy(bias + n0, bias + n0 + cols, pad);
+  return pad;
+}
+
+// Where the output columns of the group starting at column n0 begin: n0, or for a gate/up weight
+// (16 gate and 16 up columns a group) its gate columns' place, n0 / 2.
+inline int64_t out_column(Epilogue kind, int64_t n0) { return kind == Epilogue::kPlain ? n0 : n0 / 2; }
+
 // 16 lanes rounded to bf16 as the tiles' epilogue rounds (VCVTNEPS2BF16), widened back to floats.
 inline __m512 tile_round(__m512 v) { return kvtop_simd::bf16_widen(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))); }
 
@@ -190,13 +202,8 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
   int which = 0;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
-    const float* bg = nullptr;
-    if (bias) {  // a group's bias has its own buffer: the previous group's last block may still be pending
-      float* pad = bias_pad[g & 1];
-      std::fill(pad, pad + 32, 0.0f);
-      std::copy(bias + n0, bias + n0 + cols, pad);
-      bg = pad;
-    }
+    // a group's bias has its own buffer: the previous group's last block may still be pending
+    const float* bg = group_bias(bias, n0, cols, bias_pad[g & 1]);
     KVTOP_MEMORY_BARRIER();  // the source's stores of group g's tiles come before their tile loads
     const uint16_t* wg = source.tiles(g);
     // With more than one 32-row pass over a group, every pass also pulls a share of the next group's
@@ -224,7 +231,7 @@ void run_groups(const uint16_t* x, int64_t x_stride, int64_t m_begin, int64_t m_
         if (rows > kTileRows) tile_block<true, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
         else tile_block<false, false>(a, x_stride * 2, wg, kb_count, block_acc, next, per_kb, prev, shadow);
       }
-      uint16_t* dst = out + m * out_stride + (kind == Epilogue::kPlain ? n0 : n0 / 2);
+      uint16_t* dst = out + m * out_stride + out_column(kind, n0);
       prev = Pending{block_acc, rows, 0, bg, dst, out_stride, cols, inter, kind};
       which ^= 1;
     }
@@ -496,13 +503,8 @@ void run_groups_in_l1(const uint16_t* x, int64_t x_stride, int64_t m, DequantTil
     }
     KVTOP_MEMORY_BARRIER();  // the tiles are in acc before it is read
     const int64_t n0 = g * kGroupN, cols = std::min<int64_t>(kGroupN, n - n0);
-    const float* bg = nullptr;
-    if (bias) {
-      std::fill(bias_pad, bias_pad + 32, 0.0f);
-      std::copy(bias + n0, bias + n0 + cols, bias_pad);
-      bg = bias_pad;
-    }
-    Pending block{acc, m, 0, bg, out + (kind == Epilogue::kPlain ? n0 : n0 / 2), out_stride, cols, inter, kind};
+    const float* bg = group_bias(bias, n0, cols, bias_pad);
+    Pending block{acc, m, 0, bg, out + out_column(kind, n0), out_stride, cols, inter, kind};
     drain(block, m);
   }
   release_tiles();
@@ -511,10 +513,10 @@ void run_groups_in_l1(const uint16_t* x, int64_t x_stride, int64_t m, DequantTil
 #endif  // KVTOP_AMX && KVTOP_QUANT_GEMM
 
 // x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, W the GGUF blocks [N, K/32 * block bytes] of
-// `format` (csrc/quant_blocks.h): for many rows on AMX. One task is a group of 32 output columns:
-// its tiles are de-quantized into the thread's buffer (the bf16 weight's tiles, value for value) and
-// multiplied by every row as amx_linear multiplies them, so the results are amx_linear's on the
-// de-quantized weight in bf16, bit for bit; the weight is never held de-quantized beyond one group.
+// `format` (csrc/quant_blocks.h): for many rows on AMX. A group of 32 output columns at a time, its
+// tiles de-quantized (the bf16 weight's tiles, value for value) and multiplied by every row as
+// amx_linear multiplies them, so the results are amx_linear's on the de-quantized weight in bf16, bit
+// for bit; the weight is never held de-quantized beyond a slab (prefill) or two groups (decode rows).
 // `kind` as amx_linear's run: kGateUp and kSiluMul take a packed weight whose tiles are gate and up
 // columns in turn (quant_linear.py's QuantGateUp), n = 2I.
 at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
