@@ -27,8 +27,14 @@ GEMV_ROWS = gemv_rows() if KERNEL else 4  # the kernel's register path up to thi
 
 
 # where each format keeps its fp16 super-scales in a block (the `gguf` package cannot quantize to the K
-# formats, so their blocks are random bytes with these set to small positive scales)
-K_FORMAT_SCALES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+# formats, so their blocks are random bytes with these set to small positive scales; Q3_K: a format
+# without a kernel)
+K_FORMAT_SCALES = {
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+    GGMLQuantizationType.Q3_K: (108,),
+}
 
 
 def random_blocks(fmt: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
@@ -80,7 +86,8 @@ def test_the_kernel_computes_what_the_dequantized_weight_computes(fmt, shape):
 def test_one_hot_rows_read_the_reference_weight_back_bit_for_bit(fmt):
     """x = rows of the identity: y = W^T's rows exactly, so each block's layout (which byte, which
     nibble, which scale) is the reference's value for value — in the panels (prefill: all K rows) and
-    in the registers (decode: 1 to 4 rows; Q4_0's d * q - 8 d there is d * (q - 8) only up to rounding)."""
+    in the registers (decode: 1 to 4 rows; Q4_0's d * q - 8 d there is d * (q - 8) only up to rounding,
+    Q5_0's d * q - 16 d likewise)."""
     n, k = 61, whole_blocks(fmt, 96)
     layer = QuantLinear(random_blocks(fmt, n, k, seed=7), fmt, k)
     weight_t = layer.dense_weight().t()
@@ -88,7 +95,7 @@ def test_one_hot_rows_read_the_reference_weight_back_bit_for_bit(fmt):
     for rows in range(1, GEMV_ROWS + 1):
         picked = torch.randperm(k, generator=torch.Generator().manual_seed(rows))[:rows]
         y = layer(torch.eye(k)[picked])
-        if fmt == GGMLQuantizationType.Q4_0:
+        if fmt in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0):
             torch.testing.assert_close(y, weight_t[picked], rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(y, weight_t[picked])
@@ -262,48 +269,27 @@ def test_smollm2_quantized_greedy_tokens_match_the_dequantized_model(quantized):
 
 
 def rewrite_gguf(source, out, requantize: dict[str, GGMLQuantizationType]) -> None:
-    """`source` copied to `out` (its metadata and tensors) with the tensors named in `requantize`
-    de-quantized and quantized again to the given type, as a file from another quantizer would hold them
-    (a K format, which the `gguf` package cannot quantize to: random blocks of the tensor's shape)."""
-    from gguf import GGUFWriter
+    """benchmarks/requantize_gguf.py's rewrite, a K format (which the `gguf` package cannot quantize to)
+    as random blocks of the tensor's shape."""
+    from benchmarks.requantize_gguf import rewrite_gguf as rewrite
 
-    reader = GGUFReader(source)
-    writer = GGUFWriter(out, arch="llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        sub_type = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
-    for tensor in reader.tensors:
-        data, kind = tensor.data, tensor.tensor_type
-        if tensor.name in requantize:
-            kind = requantize[tensor.name]
-            if kind in K_FORMAT_SCALES:
-                k, n = (int(x) for x in tensor.shape)
-                data = random_blocks(kind, n, k, seed=n + k).numpy()
-            else:
-                data = quantize(dequantize(tensor.data, tensor.tensor_type), kind)
-        writer.add_tensor(tensor.name, np.asarray(data), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rewrite(source, out, requantize, lambda kind, n, k: random_blocks(kind, n, k, seed=n + k).numpy())
 
 
 @pytest.mark.slow
 @needs_kernel
 def test_a_tensor_type_without_a_kernel_is_dequantized_with_one_line_naming_it(smollm2_dir, tmp_path, capfd):
-    """A Q5_0 ffn_down in an otherwise Q4_1 file: that projection loads de-quantized (its values the
+    """A Q3_K ffn_down in an otherwise Q4_1 file: that projection loads de-quantized (its values the
     `gguf` package's), one line names it and its type, every other projection stays quantized."""
     from engine.model.gguf_quant import load_quantized
     from engine.model.loader import gguf_file
     from engine.model.spec import read_spec
 
-    variant = tmp_path / "smollm2-q5.gguf"
-    rewrite_gguf(gguf_file("smollm2-135m"), variant, {"blk.3.ffn_down.weight": GGMLQuantizationType.Q5_0})
+    variant = tmp_path / "smollm2-q3.gguf"
+    rewrite_gguf(gguf_file("smollm2-135m"), variant, {"blk.3.ffn_down.weight": GGMLQuantizationType.Q3_K})
     spec, _ = read_spec(smollm2_dir)
     model = load_quantized(variant, spec, torch.float32)
-    assert "no quantized kernel for blk.3.ffn_down.weight (Q5_0): de-quantized to float32" in capfd.readouterr().err
+    assert "no quantized kernel for blk.3.ffn_down.weight (Q3_K): de-quantized to float32" in capfd.readouterr().err
     down = model.layers[3].down_proj
     assert type(down) is torch.nn.Linear
     tensor = next(t for t in GGUFReader(variant).tensors if t.name == "blk.3.ffn_down.weight")
@@ -316,15 +302,17 @@ def test_a_tensor_type_without_a_kernel_is_dequantized_with_one_line_naming_it(s
 
 @pytest.mark.slow
 @needs_kernel
-def test_q4_k_and_q6_k_tensors_load_quantized_and_compute_the_files_values(smollm2_dir, tmp_path, capfd):
-    """SmolLM2 with a Q4_K and a Q6_K ffn_down (K = 1,536: six super-blocks): both load as `QuantLinear`
-    holding the file's bytes, with no de-quantization line, and compute what the `gguf` package's
-    de-quantization of the file's tensor computes."""
+def test_k_and_q5_tensors_load_quantized_and_compute_the_files_values(smollm2_dir, tmp_path, capfd):
+    """SmolLM2 with Q4_K, Q6_K, Q5_K, Q5_0 and Q5_1 ffn_downs (K = 1,536: six super-blocks; the Q5
+    formats are what llama.cpp's Q4_K_M and Q5_K_M write for rows that are not a multiple of 256): each
+    loads as a `QuantLinear` holding the file's bytes, with no de-quantization line, and computes what the
+    `gguf` package's de-quantization of the file's tensor computes."""
     from engine.model.gguf_quant import load_quantized
     from engine.model.loader import gguf_file
     from engine.model.spec import read_spec
 
-    formats = {"blk.0.ffn_down.weight": GGMLQuantizationType.Q4_K, "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K}
+    kinds = ("Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+    formats = {f"blk.{i}.ffn_down.weight": GGMLQuantizationType[kind] for i, kind in enumerate(kinds)}
     variant = tmp_path / "smollm2-k.gguf"
     rewrite_gguf(gguf_file("smollm2-135m"), variant, formats)
     spec, _ = read_spec(smollm2_dir)

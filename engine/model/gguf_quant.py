@@ -7,7 +7,7 @@ converts the file to once; only the weights are read here, straight from the fil
 are the file's tensors' rows stacked (q, k, v; gate, up), with llama.cpp's permutation of the q and k
 rows undone as transformers undoes it, so the numbers are the de-quantized model's exactly.
 
-A tensor in a format our kernel does not run (Q5_0, Q5_K, F16…) is de-quantized (one line names the
+A tensor in a format our kernel does not run (Q2_K, Q3_K, F16…) is de-quantized (one line names the
 tensor and its type): never a refusal. `dequantize_all` de-quantizes every tensor, one projection at a
 time, to the model's dtype: the de-quantized model (`quantization="none"`, or a GPU) without
 transformers' conversion, which holds every tensor in float32 at once (an 8B file: 32 GB). A fused projection whose parts differ in format (Q4_K_M's

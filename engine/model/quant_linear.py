@@ -1,6 +1,6 @@
 """Linear layers and embeddings whose weight stays in a GGUF block format (issue #41).
 
-A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights are kept as the file holds them — uint8
+A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights are kept as the file holds them — uint8
 [N, row bytes], one row of blocks (of 32 values; of 256 for the K formats) per output column — and
 multiplied by our kernel (engine/kernels/csrc/quant_gemm.cpp)
 on the CPU where it is built with AVX2 + FMA + F16C: `quant_gemv` de-quantizes inside the registers
@@ -14,8 +14,9 @@ tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 column
 int16 (AVX-512 with BF16 and VNNI; 8 columns with AVX2, csrc/quant_packed_avx2.h) — each block of 32
 activations rounded to 16 bits of its range, the products summed exactly in int32, each block's
 scale applied once per tile; more rows read AMX tiles or fp32 panels straight out of the tiles, no
-transpose. Only where packing is switched off (`KVTOP_QUANT_PACK=0`) do the file layout's kernels
-above run.
+transpose. The file layout's kernels above run where packing is switched off (`KVTOP_QUANT_PACK=0`)
+and for the Q5 formats, which are not packed: Q5_0 (what llama.cpp's Q4_K_M writes for rows that are
+not a multiple of 256, SmolLM2's 576), Q5_1 (Q5_K_M's, likewise) and Q5_K.
 
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
@@ -35,12 +36,16 @@ from engine.kernels import cpu
 from engine.model.packed_linear import gate_up_order
 from engine.runtime.knobs import knob
 
-# the formats our kernel runs, by ggml type id (quant_gemm.cpp's kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K)
+# the formats our kernel runs, by ggml type id (quant_blocks.h's kQ4_0 … kQ6_K); the Q5 formats on the
+# file's layout only (not in PACKED_FORMATS)
 KERNEL_FORMATS = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
 

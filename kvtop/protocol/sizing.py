@@ -129,7 +129,16 @@ def num_blocks_for(memory_bytes: int, per_token: int, block_size: int) -> int:
 # GGUF block formats the engine keeps quantized on the CPU (issue #41; engine/model/quant_linear.py's
 # KERNEL_FORMATS): weights per block, bytes per block (the scales, offsets and values; a K format's
 # super-block of 256). Every other tensor is held de-quantized, at the model's dtype.
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+GGUF_BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
 # The GGUF files behind the names the engine fetches, so the light install plans their quantized
 # bytes without the file: the projections' format and the embedding's (tied: also the logits head).
 GGUF_PRESETS = {"smollm2-135m": {"projections": "Q4_1", "embedding": "Q8_0"}}

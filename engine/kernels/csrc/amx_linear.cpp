@@ -548,10 +548,10 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     auto dequant_tile_of = [&](int64_t g, int64_t h, int64_t kb, uint16_t* tile) {
-      if (packed)
-        dequant_packed_tile<F>(wp, g, h, kb, kbs, n, tile);
-      else
-        dequant_tile<F>(wp, row_bytes, g, h, kb, n, tile);
+      if constexpr (kvtop_packed::packable_format(F)) {
+        if (packed) return dequant_packed_tile<F>(wp, g, h, kb, kbs, n, tile);
+      }
+      dequant_tile<F>(wp, row_bytes, g, h, kb, n, tile);
     };
     auto dequant = [&](int64_t g, uint16_t* group_tiles) {
       for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);

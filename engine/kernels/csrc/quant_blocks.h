@@ -4,8 +4,14 @@
 //   Q8_0 (ggml type 8):  32 values: fp16 d, int8 q[32]                 w = d * q
 //   Q4_0 (ggml type 2):  32 values: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
 //   Q4_1 (ggml type 3):  32 values: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   Q5_0 (ggml type 6):  32 values: fp16 d, 4 bytes of high bits, nibbles  w = d * (q - 16)
+//   Q5_1 (ggml type 7):  32 values: fp16 d, fp16 m, high bits, nibbles     w = d * q + m
 //   Q4_K (ggml type 12): 256 values in 8 sub-blocks of 32, 144 bytes    w = (d * sc_j) * q - dmin * min_j
+//   Q5_K (ggml type 13): 256 values in 8 sub-blocks of 32, 176 bytes    w = (d * sc_j) * q - dmin * min_j
 //   Q6_K (ggml type 14): 256 values, 210 bytes                          w = (d * scale) * (q - 32)
+// The Q5 formats' q is 5 bits: a nibble as Q4's, plus 16 where its high bit is set. They are common
+// where a model's rows are not a multiple of 256 (llama.cpp's Q4_K_M then writes Q5_0, Q5_K_M Q5_1:
+// SmolLM2's 576) and in Q5_K_M files. They run on the file's layout (not packed, quant_packed.h).
 // Included after `#pragma GCC optimize("fp-contract=off")` (set here too): dequant_block's mul then add
 // must stay two roundings, as the reference's.
 #pragma once
@@ -26,20 +32,23 @@
 namespace kvtop_quant {
 
 // ggml's type ids, as engine/model/quant_linear.py names them
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kBlock = 32;  // values per sub-block: the unit both kernels walk
 // A weight repacked for decode (quant_packed.cpp) is named by its ggml type + this.
 constexpr int64_t kPackedFormat = 100;
 
 // Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
-constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ6_K ? 8 : 1; }
+constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 8 : 1; }
 
 constexpr int64_t group_bytes(int64_t format) {
   switch (format) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
     default: return 0;
   }
@@ -49,7 +58,7 @@ constexpr int64_t group_bytes(int64_t format) {
 // values; a format the kernels run. Returns the group's bytes.
 inline int64_t check_blocks(const at::Tensor& blocks, int64_t format, int64_t n, int64_t k, const char* op) {
   const int64_t bytes = group_bytes(format);
-  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  TORCH_CHECK(bytes > 0, op, ": ggml type ", format, " is not one this kernel runs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   const int64_t values = group_blocks(format) * kBlock;
   TORCH_CHECK(k > 0 && k % values == 0, op, ": K must be a positive multiple of ", values);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && !blocks.is_cuda() && blocks.is_contiguous() && blocks.dim() == 2 &&
@@ -65,10 +74,10 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One sub-block's 32 quantized values as floats (nibbles unsigned 0..15, Q8_0 signed; Q6_K's already
-// scaled: the reference's values), in element order, and its scale d and offset m: w = d * q + m
-// (Q4_0: m = -8 d, equal to the reference's d * (q - 8) up to rounding; the panels compute it as the
-// reference does, dequant_block).
+// One sub-block's 32 quantized values as floats (nibbles unsigned 0..15, the Q5 formats' 0..31, Q8_0
+// signed; Q6_K's already scaled: the reference's values), in element order, and its scale d and offset
+// m: w = d * q + m (Q4_0: m = -8 d, Q5_0: -16 d, equal to the reference's d * (q - 8) or d * (q - 16) up
+// to rounding; the panels compute it as the reference does, dequant_block).
 struct Block {
   __m256 q[4];
   float d, m;
@@ -78,6 +87,13 @@ struct Block {
 inline void nibbles_to_floats(__m128i nibbles_lo8, __m128i nibbles_hi8, __m256 q[2]) {
   q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_lo8));
   q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_hi8));
+}
+
+// 32 unsigned bytes (nibbles, or the Q5 formats' 0..31) in element order as four registers of floats.
+inline void bytes_to_floats(__m256i q, __m256 out[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  nibbles_to_floats(lo, _mm_srli_si128(lo, 8), out);
+  nibbles_to_floats(hi, _mm_srli_si128(hi, 8), out + 2);
 }
 
 // Q4_K's sub-block j scale and min, 6 bits each, packed in 12 bytes (gguf's Q4_K.get_scale_min).
@@ -91,19 +107,64 @@ inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Sub-block j's scale d * sc and offset -(dmin * min) in a Q4_K or Q5_K super-block `g` (d, dmin, then
+// the 12 bytes of scales and mins).
+inline void k_scale_offset(const uint8_t* g, int j, float& d, float& m) {
+  int sc, mn;
+  q4k_scale_min(g + 4, j, sc, mn);
+  d = half_at(g) * static_cast<float>(sc);
+  m = -(half_at(g + 2) * static_cast<float>(mn));
+}
+
 // Sub-block j (0..7) of a Q4_K super-block: w = (d * sc) * q - dmin * min.
 inline Block load_q4k(const uint8_t* g, int j) {
   Block out;
-  int sc, mn;
-  q4k_scale_min(g + 4, j, sc, mn);
-  out.d = half_at(g) * static_cast<float>(sc);
-  out.m = -(half_at(g + 2) * static_cast<float>(mn));
+  k_scale_offset(g, j, out.d, out.m);
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i q = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  nibbles_to_floats(lo, _mm_srli_si128(lo, 8), out.q);
-  nibbles_to_floats(hi, _mm_srli_si128(hi, 8), out.q + 2);
+  bytes_to_floats((j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask), out.q);
+  return out;
+}
+
+// 32 bytes of 16 where bit i of `bits` is set (element i's high bit in the Q5 formats), else 0.
+inline __m256i q5_high_bits(uint32_t bits) {
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                               0x0303030303030303));  // byte i: bits' byte i / 8
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));  // byte i: 1 << (i % 8)
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+}
+
+// A Q5_0 or Q5_1 block's 32 values q (0..31) as bytes in element order, from `qh` (its 4 bytes of high
+// bits) and `qs` (its 16 bytes of nibbles): the nibble (element j < 16: byte j's low half; j >= 16:
+// byte j - 16's high half) + 16 × bit j of qh.
+inline __m256i q5_bytes(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+  return _mm256_or_si256(low, q5_high_bits(bits));
+}
+
+// Sub-block j (0..7) of a Q5_K super-block `g`, its q (0..31) as bytes: Q4_K's nibbles (at 48, after
+// the scales and qh), and element l's high bit, bit j of qh[l] (the 32 bytes at 16).
+inline __m256i q5k_bytes(const uint8_t* g, int j) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 48 + 32 * (j / 2)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i low = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
+  // per byte: bit j moved to bit 0 (the 16-bit shift brings the next byte's bits only above it), kept, times 16
+  const __m256i high = _mm256_slli_epi16(
+      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
+  return _mm256_or_si256(low, high);
+}
+
+// Sub-block j (0..7) of a Q5_K super-block: Q4_K's scales and mins, w = (d * sc) * q - dmin * min.
+inline Block load_q5k(const uint8_t* g, int j) {
+  Block out;
+  k_scale_offset(g, j, out.d, out.m);
+  bytes_to_floats(q5k_bytes(g, j), out.q);
   return out;
 }
 
@@ -137,11 +198,16 @@ inline Block load_q6k(const uint8_t* g, int j) {
 template <int64_t F>
 inline Block load_block(const uint8_t* g, int j) {
   if constexpr (F == kQ4_K) return load_q4k(g, j);
+  if constexpr (F == kQ5_K) return load_q5k(g, j);
   if constexpr (F == kQ6_K) return load_q6k(g, j);
   const uint8_t* b = g;
   Block out;
   out.d = half_at(b);
-  if constexpr (F == kQ8_0) {
+  if constexpr (F == kQ5_0 || F == kQ5_1) {
+    out.m = F == kQ5_1 ? half_at(b + 2) : -16.0f * out.d;
+    const int64_t qh = F == kQ5_1 ? 4 : 2;
+    bytes_to_floats(q5_bytes(b + qh, b + qh + 4), out.q);
+  } else if constexpr (F == kQ8_0) {
     out.m = 0.0f;
     for (int i = 0; i < 4; ++i) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
@@ -161,8 +227,9 @@ inline Block load_block(const uint8_t* g, int j) {
   return out;
 }
 
-// The reference's values for sub-block j of group g: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K
-// (d sc) q - dmin min (as d q + m: adding -x is subtracting x), Q6_K its values as loaded (no fma).
+// The reference's values for sub-block j of group g: Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16),
+// Q4_1 and Q5_1 d * q + m, Q4_K and Q5_K (d sc) q - dmin min (as d q + m: adding -x is subtracting x),
+// Q6_K its values as loaded (no fma).
 template <int64_t F>
 inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
   const Block blk = load_block<F>(g, static_cast<int>(j));
@@ -172,9 +239,9 @@ inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
   }
   const __m256 d = _mm256_set1_ps(blk.d);
   for (int i = 0; i < 4; ++i) {
-    if constexpr (F == kQ4_0)
-      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(8.0f)));
-    else if constexpr (F == kQ4_1 || F == kQ4_K)
+    if constexpr (F == kQ4_0 || F == kQ5_0)
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(F == kQ4_0 ? 8.0f : 16.0f)));
+    else if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K)
       out[i] = _mm256_add_ps(_mm256_mul_ps(d, blk.q[i]), _mm256_set1_ps(blk.m));
     else
       out[i] = _mm256_mul_ps(d, blk.q[i]);
@@ -183,7 +250,8 @@ inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // dequant_block in two 16-lane registers (elements 0..15, 16..31): the same values, half the
-// conversions, for the de-quantization into AMX tiles (amx_linear.cpp), where it is the whole cost.
+// conversions, for the de-quantization into AMX tiles (amx_linear.cpp), where it is the whole cost
+// (Q6_K's through dequant_block's 8 lanes).
 template <int64_t F>
 inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
   if constexpr (F == kQ6_K) {
@@ -199,11 +267,20 @@ inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
     d = half_at(g);
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2))));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 18))));
+  } else if constexpr (F == kQ5_0 || F == kQ5_1 || F == kQ5_K) {
+    __m256i v;
+    if constexpr (F == kQ5_K) {
+      k_scale_offset(g, static_cast<int>(j), d, m);
+      v = q5k_bytes(g, static_cast<int>(j));
+    } else {
+      d = half_at(g);
+      if constexpr (F == kQ5_1) m = half_at(g + 2);
+      v = F == kQ5_1 ? q5_bytes(g + 4, g + 8) : q5_bytes(g + 2, g + 6);
+    }
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)));
   } else if constexpr (F == kQ4_K) {
-    int sc, mn;
-    q4k_scale_min(g + 4, static_cast<int>(j), sc, mn);
-    d = half_at(g) * static_cast<float>(sc);
-    m = -(half_at(g + 2) * static_cast<float>(mn));
+    k_scale_offset(g, static_cast<int>(j), d, m);
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m256i v = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
@@ -219,9 +296,9 @@ inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
   }
   const __m512 dv = _mm512_set1_ps(d);
   for (int i = 0; i < 2; ++i) {
-    if constexpr (F == kQ4_0)
-      out[i] = _mm512_mul_ps(dv, _mm512_sub_ps(q[i], _mm512_set1_ps(8.0f)));
-    else if constexpr (F == kQ4_1 || F == kQ4_K)
+    if constexpr (F == kQ4_0 || F == kQ5_0)
+      out[i] = _mm512_mul_ps(dv, _mm512_sub_ps(q[i], _mm512_set1_ps(F == kQ4_0 ? 8.0f : 16.0f)));
+    else if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K)
       out[i] = _mm512_add_ps(_mm512_mul_ps(dv, q[i]), _mm512_set1_ps(m));
     else
       out[i] = _mm512_mul_ps(dv, q[i]);
@@ -234,7 +311,10 @@ void by_format(int64_t format, const Body& body) {
   switch (format) {
     case kQ4_0: body(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: body(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: body(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: body(std::integral_constant<int64_t, kQ5_1>{}); break;
     case kQ4_K: body(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: body(std::integral_constant<int64_t, kQ5_K>{}); break;
     case kQ6_K: body(std::integral_constant<int64_t, kQ6_K>{}); break;
     default: body(std::integral_constant<int64_t, kQ8_0>{}); break;
   }

@@ -12,6 +12,8 @@
 //     the low (j even) or high (j odd) halves of bytes 32 (j / 2) .. + 32
 //   Q6_K (ggml type 14): 256 values, 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), int8
 //     scales[16] (one per 16 values), fp16 d; w = (d * scale) * (q - 32)
+//   Q5_0, Q5_1, Q5_K (ggml types 6, 7, 13): Q4_0's, Q4_1's and Q4_K's with a high bit per value
+//     (4 bytes a block, 32 a super-block) making q 5 bits; Q5_0's w = d * (q - 16) (quant_blocks.h)
 // The kernels walk a column in sub-blocks of 32 values, each with one scale d and offset m (Q6_K's
 // two scales of 16 are folded into its values, which are then the reference's exactly, d = 1).
 //

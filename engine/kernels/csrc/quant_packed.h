@@ -37,8 +37,8 @@ namespace kvtop_packed {
 
 constexpr int64_t kTile = 16;  // columns per tile: one fp32 register's lanes
 
-// The formats packed.
-inline bool packable_format(int64_t format) {
+// The formats packed (the Q5 formats are not: they run on the file's layout, quant_blocks.h).
+constexpr bool packable_format(int64_t format) {
   return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ4_K ||
          format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0;
 }
