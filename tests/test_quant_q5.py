@@ -53,4 +53,4 @@ def test_a_q5_file_loads_quantized_and_generates_the_dequantized_models_tokens(q
     ours, reference = greedy_tokens(quantized, prompts), greedy_tokens(dense, prompts)
     same = sum(a == b for a, b in zip(ours, reference, strict=True))
     assert same >= 60, f"{same} of 64 prompts agree"
-    assert torch.tensor([len(t) for t in ours]).float().mean() == 32
+    assert all(len(t) == 32 for t in ours)
