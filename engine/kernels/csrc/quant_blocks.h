@@ -83,17 +83,13 @@ struct Block {
   float d, m;
 };
 
-// 32 unsigned nibbles (the low or high halves of 16 bytes) as four registers of floats.
-inline void nibbles_to_floats(__m128i nibbles_lo8, __m128i nibbles_hi8, __m256 q[2]) {
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_lo8));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles_hi8));
-}
-
-// 32 unsigned bytes (nibbles, or the Q5 formats' 0..31) in element order as four registers of floats.
+// 32 unsigned bytes in element order as four registers of floats.
 inline void bytes_to_floats(__m256i q, __m256 out[4]) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  nibbles_to_floats(lo, _mm_srli_si128(lo, 8), out);
-  nibbles_to_floats(hi, _mm_srli_si128(hi, 8), out + 2);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
 // Q4_K's sub-block j scale and min, 6 bits each, packed in 12 bytes (gguf's Q4_K.get_scale_min).
@@ -107,27 +103,26 @@ inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// Sub-block j's scale d * sc and offset -(dmin * min) in a Q4_K or Q5_K super-block `g` (d, dmin, then
-// the 12 bytes of scales and mins).
-inline void k_scale_offset(const uint8_t* g, int j, float& d, float& m) {
-  int sc, mn;
-  q4k_scale_min(g + 4, j, sc, mn);
-  d = half_at(g) * static_cast<float>(sc);
-  m = -(half_at(g + 2) * static_cast<float>(mn));
+// A block's 16 bytes of nibbles as its 32 values in element order: element j < 16 byte j's low half,
+// j >= 16 byte j - 16's high half (Q4_0, Q4_1, Q5_0, Q5_1).
+inline __m256i block_nibbles(const uint8_t* qs) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
 }
 
-// Sub-block j (0..7) of a Q4_K super-block: w = (d * sc) * q - dmin * min.
-inline Block load_q4k(const uint8_t* g, int j) {
-  Block out;
-  k_scale_offset(g, j, out.d, out.m);
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
+// Sub-block j's 32 nibbles in a K format's 128 bytes of them: sub-blocks 2i and 2i + 1 the low and high
+// halves of bytes 32i .. 32i + 31 (Q4_K, Q5_K).
+inline __m256i k_nibbles(const uint8_t* qs, int j) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  bytes_to_floats((j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask), out.q);
-  return out;
+  return (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
 }
 
-// 32 bytes of 16 where bit i of `bits` is set (element i's high bit in the Q5 formats), else 0.
-inline __m256i q5_high_bits(uint32_t bits) {
+// Q5_0's and Q5_1's high bits, the 4 bytes at `qh`: 16 in byte i where bit i is set, else 0.
+inline __m256i q5_high_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
                                                                0x0303030303030303));  // byte i: bits' byte i / 8
@@ -135,37 +130,34 @@ inline __m256i q5_high_bits(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
-// A Q5_0 or Q5_1 block's 32 values q (0..31) as bytes in element order, from `qh` (its 4 bytes of high
-// bits) and `qs` (its 16 bytes of nibbles): the nibble (element j < 16: byte j's low half; j >= 16:
-// byte j - 16's high half) + 16 × bit j of qh.
-inline __m256i q5_bytes(const uint8_t* qh, const uint8_t* qs) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, 4);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-  return _mm256_or_si256(low, q5_high_bits(bits));
-}
-
-// Sub-block j (0..7) of a Q5_K super-block `g`, its q (0..31) as bytes: Q4_K's nibbles (at 48, after
-// the scales and qh), and element l's high bit, bit j of qh[l] (the 32 bytes at 16).
-inline __m256i q5k_bytes(const uint8_t* g, int j) {
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 48 + 32 * (j / 2)));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i low = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
+// Q5_K's high bits for sub-block j, the 32 bytes at `qh`: 16 in byte l where bit j of qh[l] is set.
+inline __m256i q5k_high_bits(const uint8_t* qh, int j) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
   // per byte: bit j moved to bit 0 (the 16-bit shift brings the next byte's bits only above it), kept, times 16
-  const __m256i high = _mm256_slli_epi16(
-      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
-  return _mm256_or_si256(low, high);
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
 }
 
-// Sub-block j (0..7) of a Q5_K super-block: Q4_K's scales and mins, w = (d * sc) * q - dmin * min.
-inline Block load_q5k(const uint8_t* g, int j) {
-  Block out;
-  k_scale_offset(g, j, out.d, out.m);
-  bytes_to_floats(q5k_bytes(g, j), out.q);
-  return out;
+// Sub-block j of group g in a Q4 or Q5 format (unsigned values: a nibble, plus 16 × a high bit in Q5): its 32 values q as bytes in element order, and its
+// scale d and offset m, w = d * q + m — Q4_0: m = -8 d, Q5_0: -16 d (the reference's d * (q - 8) or
+// d * (q - 16) up to rounding); Q4_K, Q5_K: d * sc_j and -(dmin * min_j), their 6-bit scale and min.
+// Layouts: Q4_0 d, nibbles; Q4_1 d, m, nibbles; Q5_0 d, qh[4], nibbles; Q5_1 d, m, qh[4], nibbles;
+// Q4_K d, dmin, scales[12], nibbles[128]; Q5_K d, dmin, scales[12], qh[32], nibbles[128].
+template <int64_t F>
+inline __m256i unsigned_values(const uint8_t* g, int j, float& d, float& m) {
+  if constexpr (F == kQ4_K || F == kQ5_K) {
+    int sc, mn;
+    q4k_scale_min(g + 4, j, sc, mn);
+    d = half_at(g) * static_cast<float>(sc);
+    m = -(half_at(g + 2) * static_cast<float>(mn));
+    if constexpr (F == kQ4_K) return k_nibbles(g + 16, j);
+    return _mm256_or_si256(k_nibbles(g + 48, j), q5k_high_bits(g + 16, j));
+  }
+  constexpr bool offset = F == kQ4_1 || F == kQ5_1;
+  d = half_at(g);
+  m = offset ? half_at(g + 2) : (F == kQ5_0 ? -16.0f : -8.0f) * d;
+  const uint8_t* values = g + (offset ? 4 : 2);
+  if constexpr (F == kQ4_0 || F == kQ4_1) return block_nibbles(values);
+  return _mm256_or_si256(block_nibbles(values + 4), q5_high_bits(values));
 }
 
 // Sub-block j (0..7) of a Q6_K super-block, its values (d * scale) * (q - 32) as the reference
@@ -197,32 +189,18 @@ inline Block load_q6k(const uint8_t* g, int j) {
 // Sub-block j of group g (a K format's super-block; the block itself for the others, j = 0).
 template <int64_t F>
 inline Block load_block(const uint8_t* g, int j) {
-  if constexpr (F == kQ4_K) return load_q4k(g, j);
-  if constexpr (F == kQ5_K) return load_q5k(g, j);
-  if constexpr (F == kQ6_K) return load_q6k(g, j);
-  const uint8_t* b = g;
   Block out;
-  out.d = half_at(b);
-  if constexpr (F == kQ5_0 || F == kQ5_1) {
-    out.m = F == kQ5_1 ? half_at(b + 2) : -16.0f * out.d;
-    const int64_t qh = F == kQ5_1 ? 4 : 2;
-    bytes_to_floats(q5_bytes(b + qh, b + qh + 4), out.q);
+  if constexpr (F == kQ6_K) {
+    return load_q6k(g, j);
   } else if constexpr (F == kQ8_0) {
+    out.d = half_at(g);
     out.m = 0.0f;
     for (int i = 0; i < 4; ++i) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 2 + 8 * i));
       out.q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
     }
   } else {
-    const uint8_t* qs = b + (F == kQ4_1 ? 4 : 2);
-    out.m = F == kQ4_1 ? half_at(b + 2) : -8.0f * out.d;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    out.q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    out.q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    out.q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    out.q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    bytes_to_floats(unsigned_values<F>(g, j, out.d, out.m), out.q);
   }
   return out;
 }
@@ -267,32 +245,10 @@ inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
     d = half_at(g);
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2))));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 18))));
-  } else if constexpr (F == kQ5_0 || F == kQ5_1 || F == kQ5_K) {
-    __m256i v;
-    if constexpr (F == kQ5_K) {
-      k_scale_offset(g, static_cast<int>(j), d, m);
-      v = q5k_bytes(g, static_cast<int>(j));
-    } else {
-      d = half_at(g);
-      if constexpr (F == kQ5_1) m = half_at(g + 2);
-      v = F == kQ5_1 ? q5_bytes(g + 4, g + 8) : q5_bytes(g + 2, g + 6);
-    }
+  } else {
+    const __m256i v = unsigned_values<F>(g, static_cast<int>(j), d, m);
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)));
-  } else if constexpr (F == kQ4_K) {
-    k_scale_offset(g, static_cast<int>(j), d, m);
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i v = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask) : _mm256_and_si256(bytes, mask);
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)));
-  } else {  // Q4_0, Q4_1
-    d = half_at(g);
-    if constexpr (F == kQ4_1) m = half_at(g + 2);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (F == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
   }
   const __m512 dv = _mm512_set1_ps(d);
   for (int i = 0; i < 2; ++i) {
