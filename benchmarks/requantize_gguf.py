@@ -69,22 +69,39 @@ def layer_weights(source: Path) -> list[str]:
     return [t.name for t in GGUFReader(source).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
 
 
+def checked_paths(model: str, out: Path) -> Path:
+    """The source file for `model`, after refusing in one line what would fail or lose a file: no source,
+    an output that is the source (writing it would truncate what is being read), no output directory."""
+    from engine.model.default import KNOWN_MODELS, fetch_gguf
+
+    source = fetch_gguf(*KNOWN_MODELS[model]) if model in KNOWN_MODELS else Path(model)
+    if not source.is_file():
+        raise SystemExit(f"no GGUF file at {source}")
+    if out.resolve() == source.resolve():
+        raise SystemExit(f"--out {out} is the source file: write the copy elsewhere")
+    if not out.parent.is_dir():
+        raise SystemExit(f"no directory {out.parent} for --out")
+    return source
+
+
 def main() -> None:
     from gguf import GGMLQuantizationType
-
-    from engine.model.default import KNOWN_MODELS, fetch_gguf
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--type", required=True, choices=QUANTIZABLE, help="the block format to write the layers in")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--model", default="smollm2-135m", help="a known name or a .gguf file")
     args = ap.parse_args()
-    source = fetch_gguf(*KNOWN_MODELS[args.model]) if args.model in KNOWN_MODELS else Path(args.model)
-    if not source.is_file():
-        raise SystemExit(f"no GGUF file at {source}")
+    source = checked_paths(args.model, args.out)
     t0 = time.perf_counter()
-    names = layer_weights(source)
-    rewrite_gguf(source, args.out, {name: GGMLQuantizationType[args.type] for name in names})
+    partial = args.out.with_name(args.out.name + ".part")  # renamed once whole: a failure leaves no half file
+    try:
+        names = layer_weights(source)
+        rewrite_gguf(source, partial, {name: GGMLQuantizationType[args.type] for name in names})
+    except (ValueError, OSError) as exc:  # not a GGUF file, a full disk
+        partial.unlink(missing_ok=True)
+        raise SystemExit(f"could not rewrite {source}: {exc}") from None
+    partial.replace(args.out)
     size = args.out.stat().st_size / 2**20
     print(f"{args.out}: {len(names)} layer weights in {args.type}, {size:.1f} MiB, {time.perf_counter() - t0:.1f} s")
 
