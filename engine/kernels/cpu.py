@@ -47,6 +47,7 @@ SOURCES = [
 ]
 HEADERS = [
     CSRC / "cephes_exp.h",
+    CSRC / "aligned_vector.h",
     CSRC / "amx_tiles.h",
     CSRC / "bf16_simd.h",
     CSRC / "causal_tasks.h",

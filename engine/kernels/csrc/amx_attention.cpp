@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "amx_tiles.h"
 #include "causal_tasks.h"
 #include "cephes_exp.h"
@@ -105,8 +106,8 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 
 struct Scratch {
-  std::vector<Bits> kt, vp, q, p;
-  std::vector<float> s, o;
+  kvtop::AlignedVector<Bits> kt, vp, q, p;
+  kvtop::AlignedVector<float> s, o;
 };
 
 // One task: queries [q0, q1) of sequence `b`, every query head of KV head `h`.

@@ -47,6 +47,7 @@
 
 // As in fused_ops.cpp: no mul+add turned into an fma, so bf16_simd.h's SiLU is compiled alike in both.
 #pragma GCC optimize("fp-contract=off")
+#include "aligned_vector.h"
 #include "amx_tiles.h"
 #include "bf16_simd.h"
 #include "quant_blocks.h"
@@ -544,7 +545,7 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t row_bytes = blocks.size(1), a_stride = a.stride(0), group_elems = kbs * 2 * kTileElems;
-  static thread_local std::vector<uint16_t> slab_buffer;  // prefill's slabs, the calling thread's: no page faults a call
+  static thread_local kvtop::AlignedVector<uint16_t> slab_buffer;  // prefill's slabs, the calling thread's: no page faults a call
   kvtop_quant::by_format(file_format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     auto dequant_tile_of = [&](int64_t g, int64_t h, int64_t kb, uint16_t* tile) {
@@ -570,7 +571,7 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
         return;
       }
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        thread_local std::vector<uint16_t> pair;
+        thread_local kvtop::AlignedVector<uint16_t> pair;
         pair.resize(2 * group_elems);
         Pipelined<decltype(dequant_tile_of)> source{dequant_tile_of, {pair.data(), pair.data() + group_elems}, g1, kbs};
         source.make(g0, 0, 2 * kbs);

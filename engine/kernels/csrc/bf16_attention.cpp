@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "bf16_simd.h"
 #include "cephes_exp.h"
 #include "row_blocks.h"
@@ -141,8 +142,8 @@ float softmax_row(const float* s, int64_t live, int64_t width, float scale, uint
 }
 
 struct Scratch {
-  std::vector<uint32_t> kt, vp, q, p;  // keys, values, a pass's queries and probabilities (bf16 pairs)
-  std::vector<float> s, o;             // a pass's scores and output
+  kvtop::AlignedVector<uint32_t> kt, vp, q, p;  // keys, values, a pass's queries and probabilities (bf16 pairs)
+  kvtop::AlignedVector<float> s, o;             // a pass's scores and output
 };
 
 // Query rows [i0, i0 + rows) of `head` for sequence t.seq, over the laid-out keys (pitch `pitch`).

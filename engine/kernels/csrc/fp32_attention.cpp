@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "causal_tasks.h"
 #include "cephes_exp.h"
 #include "row_blocks.h"
@@ -55,7 +56,7 @@ struct Product {
 };
 
 struct Scratch {
-  std::vector<float> kt, s, o;  // keys transposed [D][pitch]; a block's scores and output
+  kvtop::AlignedVector<float> kt, s, o;  // keys transposed [D][pitch]; a block's scores and output
 };
 
 // Row i of s (width `visible` valid, the rest up to `width` zeroed): exp(scale * (s - max)), the

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "cephes_exp.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -123,7 +124,7 @@ struct CacheView {
 
 // Per-thread buffers, sized once per parallel chunk.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, kbuf, vbuf, kt;
+  kvtop::AlignedVector<float> q, acc, scores, m, l, kbuf, vbuf, kt;
   std::vector<int64_t> limit;
   Scratch(int64_t rows, int64_t block_size, int64_t d)
       : q(rows * d), acc(rows * d), scores(rows * block_size), m(rows), l(rows), kbuf(block_size * d),

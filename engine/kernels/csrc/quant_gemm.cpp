@@ -51,6 +51,7 @@
 
 #include <optional>
 
+#include "aligned_vector.h"
 #include "panel_gemm.h"
 
 // Explicit mul then add where the reference does (d * q + m): no contraction into an fma, so the
@@ -267,7 +268,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t for
   const int64_t panels = (n + kNR - 1) / kNR;
   by_format(format, [&](auto f) {
     kvtop_panels::for_each_item(m, panels, kItemRows, [&](int64_t m0, int64_t m1, int64_t p) {
-      thread_local std::vector<float> panel;
+      thread_local kvtop::AlignedVector<float> panel;
       panel.resize(k * kNR);
       if (packed)
         kvtop_packed::dequant_panel(wp, format, p, n, k, kNR, panel.data());

@@ -50,6 +50,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "bf16_simd.h"
 #include "quant_blocks.h"
 #include "quant_packed.h"
@@ -535,7 +536,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   // x in fp32: widened here rather than by x.to(kFloat), whose dispatch and allocation cost more than
   // the conversion of a few rows (a decode step makes ~90 of these calls)
   const at::Tensor xc = x.contiguous();  // x itself where it already is
-  thread_local std::vector<float> widened;
+  thread_local kvtop::AlignedVector<float> widened;
   const float* xp = nullptr;
   if (xc.scalar_type() == at::kFloat) {
     xp = xc.data_ptr<float>();

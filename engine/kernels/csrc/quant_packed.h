@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned_vector.h"
 #include "quant_blocks.h"
 
 // bf16 rows: vcvtneps2bf16; decode rows: vpdpwssd (every CPU with AVX512-BF16 has VNNI)
@@ -75,9 +76,9 @@ inline void prefetch_block(const uint8_t* block) {
 // pairs a tile's dwords multiply: Q4's (and Q6_K's) dword 4g + j holds elements 8g + j and 8g + j + 4
 // (its nibbles j and j + 4); Q8_0's dword r elements 2r and 2r + 1 (row r).
 struct RowsI16 {
-  std::vector<int32_t> pairs;      // [M, K / 2]
-  std::vector<float> scale;        // [M, K / 32]
-  std::vector<int32_t> half_sums;  // [M, K / 16], Q6_K only: each 16 values' sum (its q - 32's offset term)
+  kvtop::AlignedVector<int32_t> pairs;      // [M, K / 2]
+  kvtop::AlignedVector<float> scale;        // [M, K / 32]
+  kvtop::AlignedVector<int32_t> half_sums;  // [M, K / 16], Q6_K only: each 16 values' sum (its q - 32's offset term)
 };
 
 // The scale of a block of 32 values whose largest |x| is amax in [2^(e - 1), 2^e) (`bad`: a NaN or an
