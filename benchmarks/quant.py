@@ -24,7 +24,9 @@ generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a s
             look; installed once under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1`
             there), CPU, 2 threads, one sequence at a time
 Reported: output tokens per second of wall time (prompt processing included), best and median over
-`--rounds`, and the first engine's ratio to each other one (best to best). Only meaningful on a quiet machine (load < 1.5).
+`--rounds`, and the first engine's ratio to each other one (best to best); for ours, the last run's
+seconds and the part of them that went to prompt tokens (the engine's split: a step's time shared
+among its tokens). Only meaningful on a quiet machine (load < 1.5).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv
     llm.generate(prompts(2, 16), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     work = prompts(n, prompt_len)
+    counters = llm.engine.metrics.counters
+    prefill_before = counters.prefill_seconds
     t0 = time.perf_counter()
     outs = llm.generate(work, params)
     seconds = time.perf_counter() - t0
@@ -82,6 +86,8 @@ def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv
     return {
         "tokens": sum(len(o.token_ids) for o in outs),
         "seconds": seconds,
+        # the engine's own split: each step's time shared among its tokens, prompt tokens' share here
+        "prefill_seconds": counters.prefill_seconds - prefill_before,
         "weights": memory["weights"],
         "format": memory["weights_format"],
         "kv": memory["kv"],
@@ -207,7 +213,8 @@ def main() -> None:
                 i = info[engine]
                 print(f"               weights {i['weights'] / tensors:.3f}x the file's tensor bytes, KV "
                       f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
-                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB")  # fmt: skip
+                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB; last run {i['seconds']:.2f} s, "
+                      f"{i['prefill_seconds']:.2f} of them prefill")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
