@@ -529,7 +529,7 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
   kvtop_quant::check_blocks(blocks, file_format, n, k, name);
   TORCH_CHECK(!packed || (kvtop_packed::packable_format(file_format) && n % kvtop_packed::kTile == 0),
-              name, ": only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
+              name, ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
   TORCH_CHECK(kind == Epilogue::kPlain || (packed && n % kGroupN == 0), name, ": a packed gate/up weight of 32k rows expected");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;

@@ -1,5 +1,5 @@
-// GGUF Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode: the same bytes in tiles of 16 output
-// columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
+// GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode: the same bytes
+// in tiles of 16 output columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
 //
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
 // the de-quantization, not the memory: each column's nibbles are widened, converted and multiplied
@@ -13,8 +13,9 @@
 // and an FMA for 16 (benchmarks/HISTORY.md, #41's sixth pass), so one row runs at what the cache
 // delivers rather than at ports 0 and 5. Each block's integer sum is scaled once (d times the row's
 // scale); the offset term keeps x's fp32 sums. Q6_K's word is its low nibble | its high 2 bits << 4
-// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16. AVX2 does the same 8 columns at
-// a time with vpmaddwd and an add (quant_packed_avx2.h).
+// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16; Q5_0/Q5_1's is Q4's pair with the
+// two values' high bits at bit 4 of each word (one shift of the high-bit plane, a mask), Q5_0's offset
+// -16 d. AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
@@ -23,8 +24,8 @@
 //     c's elements 8g .. 8g + 7, a nibble each (for the fp32 panels and AMX tiles, `vpermps` reads only
 //     an index's low 4 bits, so the dwords shifted right by 4j index a table of the floats 0..15
 //     straight to the 16 columns' element 8g + j). The scales (Q4_K's 6-bit scales and mins, 16
-//     columns a row) come out once per sub-block as 16 lanes. Q6_K's low 4 bits are laid out so too,
-//     its high 2 bits beside them.
+//     columns a row) come out once per sub-block as 16 lanes. Q5's and Q6_K's low 4 bits are laid out
+//     so too, their high bits beside them.
 //   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row widened to words is
 //     16 columns' (element 2r, 2r + 1) pairs.
 // A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
@@ -64,6 +65,8 @@ using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
 using kvtop_quant::kQ4_K;
+using kvtop_quant::kQ5_0;
+using kvtop_quant::kQ5_1;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
 
@@ -89,7 +92,7 @@ bool gate_up_supported() {
 namespace {
 
 void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const char* op) {
-  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights are packed, not ggml type ",
+  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights are packed, not ggml type ",
               format);
   TORCH_CHECK(n % kTile == 0, op, ": N must be a multiple of ", kTile);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) == n,
@@ -97,7 +100,7 @@ void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const c
   TORCH_CHECK(blocks.size(1) % kvtop_quant::group_bytes(format) == 0, op, ": a row must be whole blocks");
 }
 
-// Element k (0..31) of sub-block j of a file group's nibbles: Q4_0/Q4_1 byte k's low half for k < 16,
+// Element k (0..31) of sub-block j of a file group's nibbles: Q4_0/Q4_1/Q5_0/Q5_1 byte k's low half for k < 16,
 // byte k - 16's high half; Q4_K's sub-blocks 2i and 2i + 1 the low and high halves of bytes 32i ..
 inline uint8_t file_nibble(int64_t format, const uint8_t* qs, int j, int k) {
   if (format == kQ4_K) return (qs[32 * (j / 2) + k] >> (4 * (j & 1))) & 0x0F;
@@ -115,14 +118,32 @@ inline void set_file_nibble(int64_t format, uint8_t* qs, int j, int k, uint8_t v
 // start in the tile.
 struct GroupLayout {
   int scales;  // fp16 fields per column: d (and m or dmin)
-  int head;    // the file group's bytes before its values
+  int head;    // the file group's bytes before its values (Q5: the scales, then the high bits' 4)
   bool k_format;
   int64_t nibbles(int j) const { return k_format ? 256 + 256 * j : 32 * scales; }
 };
 inline GroupLayout group_layout(int64_t format) {
   if (format == kQ4_K) return {2, 16, true};
   if (format == kQ4_1) return {2, 4, false};
+  if (format == kQ5_0) return {1, 6, false};
+  if (format == kQ5_1) return {2, 8, false};
   return {1, 2, false};  // Q4_0, Q8_0
+}
+
+// Copies one column's 32 Q5 high bits between the file's qh (bit k: element k) and its dword of the
+// tile's high-bit plane (element k at q5_high_bit(k)).
+void copy_q5_high_bits(uint8_t* plane_dword, uint8_t* qh, bool to_tile) {
+  uint32_t file_bits, tile_bits = 0;
+  if (to_tile) {
+    std::memcpy(&file_bits, qh, 4);
+    for (int k = 0; k < kBlock; ++k) tile_bits |= ((file_bits >> k) & 1u) << q5_high_bit(k);
+    std::memcpy(plane_dword, &tile_bits, 4);
+  } else {
+    std::memcpy(&tile_bits, plane_dword, 4);
+    file_bits = 0;
+    for (int k = 0; k < kBlock; ++k) file_bits |= ((tile_bits >> q5_high_bit(k)) & 1u) << k;
+    std::memcpy(qh, &file_bits, 4);
+  }
 }
 
 // Where Q8_0 element k of column c sits in a tile block's values.
@@ -189,6 +210,7 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
         uint8_t* a = tile + 64 + 16 * r + c;
         to_tile ? (*a = blk[c][4 + r]) : (blk[c][4 + r] = *a);
       }
+    if (q5_format(format)) copy_q5_high_bits(tile + 32 * L.scales + 256 + 4 * c, blk[c] + 2 * L.scales, to_tile);
     uint8_t* qs = blk[c] + L.head;
     if (format == kQ8_0) {
       for (int k = 0; k < kBlock; ++k) {
@@ -234,7 +256,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t format, int64_t n, bool to_t
 
 }  // namespace
 
-// The file's blocks [N, row bytes] of Q4_0, Q4_1, Q4_K or Q8_0 in the packed layout.
+// The file's blocks [N, row bytes] of a packable format in the packed layout.
 at::Tensor pack(const at::Tensor& blocks, int64_t format, int64_t n) {
   return repack(blocks, format, n, true, "quant_pack");
 }
@@ -332,13 +354,21 @@ inline __m512i nibble_pairs(__m512i group, int j) {
 #endif
 }
 
-// Q4 tile t's 16 columns for rows [0, R) of int16 x, y [R, 16] of T (bf16 or fp32) at stride ldy:
-// each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd: a nibble pair times an x pair a
-// lane), then scaled once, d times x's scale; the offset term (m · Σx) through x's fp32 block sums.
+// A Q5 high-bit plane's bits of pair p = 4g + j (elements 8g + j and 8g + j + 4: q5_high_bit's 4g + j
+// and 16 + 4g + j) moved to bits 4 and 20 (a with 0x00100010 keeps them; the rest is garbage).
+inline __m512i q5_pair_bits(const uint8_t* plane, int p) {
+  const __m512i bits = _mm512_loadu_si512(plane);
+  return p >= 4 ? _mm512_srli_epi32(bits, static_cast<unsigned>(p - 4)) : _mm512_slli_epi32(bits, static_cast<unsigned>(4 - p));
+}
+
+// Q4 (and Q5) tile t's 16 columns for rows [0, R) of int16 x, y [R, 16] of T (bf16 or fp32) at stride
+// ldy: each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd: a nibble pair — Q5's with
+// its high bits at bit 4 of each word — times an x pair a lane), then scaled once, d times x's scale;
+// the offset term (m · Σx) through x's fp32 block sums.
 template <int64_t F, typename T, int R>
 void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t nb,
                       const float* bias, T* y, int64_t ldy) {
-  const __m512i low4 = _mm512_set1_epi32(0x000F000F);
+  const __m512i low4 = _mm512_set1_epi32(0x000F000F), bit4 = _mm512_set1_epi32(0x00100010);
   __m512 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -350,7 +380,8 @@ void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
       const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m512i q = _mm512_and_si512(nibble_pairs(group, j), low4);
+        __m512i q = _mm512_and_si512(nibble_pairs(group, j), low4);
+        if constexpr (q5_format(F)) q = _mm512_ternarylogic_epi32(q, q5_pair_bits(sub.values + 256, 4 * g + j), bit4, 0xF8);
         for (int r = 0; r < R; ++r)
           sum[r][j & 1] = _mm512_dpwssd_epi32(sum[r][j & 1], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
       }
@@ -579,6 +610,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
     by_output(std::integral_constant<int64_t, kQ6_K>{});
   else if (format == kQ4_1)
     by_output(std::integral_constant<int64_t, kQ4_1>{});
+  else if (format == kQ5_0)
+    by_output(std::integral_constant<int64_t, kQ5_0>{});
+  else if (format == kQ5_1)
+    by_output(std::integral_constant<int64_t, kQ5_1>{});
   else
     by_output(std::integral_constant<int64_t, kQ4_0>{});
 #endif
@@ -637,6 +672,8 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
       case kQ4_K: panel_rows<kQ4_K>(w, t, nb, width, seg); break;
       case kQ6_K: panel_rows<kQ6_K>(w, t, nb, width, seg); break;
       case kQ4_1: panel_rows<kQ4_1>(w, t, nb, width, seg); break;
+      case kQ5_0: panel_rows<kQ5_0>(w, t, nb, width, seg); break;
+      case kQ5_1: panel_rows<kQ5_1>(w, t, nb, width, seg); break;
       default: panel_rows<kQ4_0>(w, t, nb, width, seg); break;
     }
   }

@@ -3,6 +3,8 @@
 // tiles. A packed weight keeps the file's [N, row bytes] shape and bytes; rows 16t .. 16t + 15 (tile
 // t) hold, for each of the file's groups along K in turn, 16 × the group's bytes:
 //   Q4_0, Q4_1 (group: 32 values): d[16] fp16, (Q4_1: m[16] fp16), then the nibbles;
+//   Q5_0, Q5_1 (group: 32 values): as Q4_0 and Q4_1 (a value's low 4 bits as the nibbles), then its
+//     high bits (64 bytes: dword c column c's 32, element e's at q5_high_bit(e));
 //   Q4_K (group: 256 values in 8 sub-blocks of 32): d[16] fp16, dmin[16] fp16, the 12 bytes of 6-bit
 //     scales and mins as 12 rows of 16 (row r's byte c: column c's byte r), then 8 × 256 bytes of
 //     nibbles, sub-block j's at 256 + 256 j;
@@ -38,18 +40,28 @@ namespace kvtop_packed {
 
 constexpr int64_t kTile = 16;  // columns per tile: one fp32 register's lanes
 
-// The formats packed (the Q5 formats are not: they run on the file's layout, quant_blocks.h).
+// Q5_0 and Q5_1: Q4_0 and Q4_1 with a fifth bit a value.
+constexpr bool q5_format(int64_t format) { return format == kvtop_quant::kQ5_0 || format == kvtop_quant::kQ5_1; }
+
+// The formats packed (Q5_K is not: it runs on the file's layout, quant_blocks.h).
 constexpr bool packable_format(int64_t format) {
   return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ4_K ||
-         format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0;
+         format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0 || q5_format(format);
 }
 
 // Where element i (0..15) of a Q6_K high-bits dword keeps its 2 bits: elements 8u + v (v < 4) in the
 // low word at 2(4u + v), their partners 8u + v + 4 in the high word at the same place.
 constexpr int q6k_high_bit(int i) { return 16 * ((i % 8) / 4) + 2 * (4 * (i / 8) + i % 4); }
 
-// Bytes before a Q4_0/Q4_1 group's nibbles: d[16], and m[16] for Q4_1.
-constexpr int64_t q4_scale_bytes(int64_t format) { return format == kvtop_quant::kQ4_1 ? 64 : 32; }
+// Where element e (0..31) of a Q5 high-bits dword keeps its bit: elements 8g + j (j < 4) in the low
+// word at 4g + j, their partners 8g + j + 4 in the high word at the same place — a nibble pair's two
+// bits 16 apart, so that one shift and a mask put both at bit 4 of their words.
+constexpr int q5_high_bit(int e) { return 16 * ((e % 8) / 4) + 4 * (e / 8) + e % 4; }
+
+// Bytes before a Q4_0/Q4_1/Q5_0/Q5_1 group's nibbles: d[16], and m[16] for Q4_1 and Q5_1.
+constexpr int64_t q4_scale_bytes(int64_t format) {
+  return format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ5_1 ? 64 : 32;
+}
 
 #ifdef KVTOP_QUANT_PACKING
 // Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
@@ -157,8 +169,9 @@ inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
     const __m512 d = halves16(g);
     return {g + 32, d, _mm512_setzero_ps(), d};
   } else {
-    const __m512 d = halves16(g);
-    const __m512 m = F == kvtop_quant::kQ4_1 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const __m512 d = halves16(g);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
+    const float offset = F == kvtop_quant::kQ5_0 ? -16.0f : -8.0f;
+    const __m512 m = q4_scale_bytes(F) == 64 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(offset));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }
@@ -184,11 +197,17 @@ inline void column_pairs(__m512 v, __m512& lo, __m512& hi) {
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
 }
 
-// Element k (0..31) of a Q4 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q6_K's
-// q - 32 (its low 4 bits as Q4's, plus 16 * its high 2 bits - 32 through a table indexed by 2 bits).
+// Element k (0..31) of a Q4, Q5 or Q6_K sub-block for its 16 columns, as floats: Q4's 0..15; Q5's
+// 0..31 (its low 4 bits as Q4's, plus 16 times its high bit); Q6_K's q - 32 (its low 4 bits as Q4's,
+// plus 16 * its high 2 bits - 32 through a table indexed by 2 bits).
 template <int64_t F>
 inline __m512 packed_q(const Sub& s, int k) {
   const __m512 low = q4_values(s.values, k / 8, k % 8);
+  if constexpr (q5_format(F)) {
+    const __m512 high_values = _mm512_setr_ps(0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
+    const __m512i bits = _mm512_srli_epi32(_mm512_loadu_si512(s.values + 256), static_cast<unsigned>(q5_high_bit(k)));
+    return _mm512_add_ps(low, _mm512_permutexvar_ps(bits, high_values));
+  }
   if constexpr (F != kvtop_quant::kQ6_K) return low;
   const __m512 high_values = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16);
   const __m512i group = _mm512_loadu_si512(s.values + 256 + 64 * (k / 16));
@@ -196,13 +215,14 @@ inline __m512 packed_q(const Sub& s, int k) {
   return _mm512_add_ps(low, _mm512_permutexvar_ps(bits, high_values));
 }
 
-// The reference's value of element k for the 16 columns (Q4_0: d * (q - 8); Q6_K: (d * scale) * q;
+// The reference's value of element k for the 16 columns (Q4_0: d * (q - 8); Q5_0: d * (q - 16); Q6_K: (d * scale) * q;
 // d * q + m for the others, rounded once: d * q is exact in fp32 — d an fp16 (Q4_K's times a 6-bit
 // scale: 17 bits), q 4 bits — so the fma is the reference's mul then add, bit for bit).
 template <int64_t F>
 inline __m512 packed_weight(const Sub& s, int k) {
   const __m512 q = packed_q<F>(s, k);
   if constexpr (F == kvtop_quant::kQ4_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
+  if constexpr (F == kvtop_quant::kQ5_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(16.0f)));
   if constexpr (F == kvtop_quant::kQ6_K) return _mm512_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm512_fmadd_ps(s.d, q, s.m);
 }

@@ -22,6 +22,7 @@ using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
 using kvtop_quant::kQ4_K;
+using kvtop_quant::kQ5_0;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
 
@@ -76,8 +77,9 @@ inline Half half_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb, int64_t
     const __m256 d = halves8(g + 2 * c);
     return {g + 32, d, _mm256_setzero_ps(), d};
   } else {
-    const __m256 d = halves8(g + 2 * c);
-    const __m256 m = F == kQ4_1 ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const __m256 d = halves8(g + 2 * c);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
+    const float offset = F == kQ5_0 ? -16.0f : -8.0f;
+    const __m256 m = q4_scale_bytes(F) == 64 ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(offset));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }
@@ -92,11 +94,16 @@ inline __m256 q4_element(__m256i group, int i) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(group, 4 * i), _mm256_set1_epi32(15)));
 }
 
-// Element k (0..31) of a Q4 or Q6_K sub-block for half h's 8 columns, as floats (quant_packed.h's
-// packed_q: Q6_K's q - 32 = its low 4 bits + 16 * its high 2 bits - 32, all exact in fp32).
+// Element k (0..31) of a Q4, Q5 or Q6_K sub-block for half h's 8 columns, as floats (quant_packed.h's
+// packed_q: Q5's its low 4 bits + 16 * its high bit; Q6_K's q - 32 = its low 4 bits + 16 * its high 2
+// bits - 32, all exact in fp32).
 template <int64_t F>
 inline __m256 half_q(const Half& s, int k, int64_t h) {
   const __m256 low = q4_element(q4_group(s.values, k / 8, h), k % 8);
+  if constexpr (q5_format(F)) {
+    const __m256i bit = _mm256_and_si256(_mm256_srli_epi32(q4_group(s.values + 256, 0, h), q5_high_bit(k)), _mm256_set1_epi32(1));
+    return _mm256_add_ps(low, _mm256_mul_ps(_mm256_cvtepi32_ps(bit), _mm256_set1_ps(16.0f)));
+  }
   if constexpr (F != kQ6_K) return low;
   const __m256i group = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.values + 256 + 64 * (k / 16) + 32 * h));
   const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(group, q6k_high_bit(k % 16)), _mm256_set1_epi32(3));
@@ -109,6 +116,7 @@ template <int64_t F>
 inline __m256 half_weight(const Half& s, int k, int64_t h) {
   const __m256 q = half_q<F>(s, k, h);
   if constexpr (F == kQ4_0) return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(8.0f)));
+  if constexpr (F == kQ5_0) return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(16.0f)));
   if constexpr (F == kQ6_K) return _mm256_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm256_add_ps(_mm256_mul_ps(s.d, q), s.m);
 }
@@ -170,13 +178,14 @@ inline void quantize_block(const float* x, int16_t* out, float& scale) {
   }
 }
 
-// Q4 half h of tile t for rows [0, R) (quant_packed.cpp's q4_tile_rows in 8 lanes): a dword's nibbles
-// j and j + 4, masked into its words, times an x pair (vpmaddwd), summed exactly in int32 a block, then
-// scaled once (d times x's scale); the offset term through x's fp32 block sums (xsum [R, nb]).
+// Q4 (and Q5) half h of tile t for rows [0, R) (quant_packed.cpp's q4_tile_rows in 8 lanes): a dword's
+// nibbles j and j + 4, masked into its words (Q5: their high bits at bit 4), times an x pair
+// (vpmaddwd), summed exactly in int32 a block, then scaled once (d times x's scale); the offset term
+// through x's fp32 block sums (xsum [R, nb]).
 template <int64_t F, typename T, int R>
 void q4_half_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t* w, int64_t t, int64_t h, int64_t nb,
                   const float* bias, T* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F), bit4 = _mm256_set1_epi32(0x00100010);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -188,7 +197,13 @@ void q4_half_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
       const __m256i group = q4_group(s.values, g, h);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m256i q = _mm256_and_si256(j == 0 ? group : _mm256_srli_epi32(group, 4 * j), low4);
+        __m256i q = _mm256_and_si256(j == 0 ? group : _mm256_srli_epi32(group, 4 * j), low4);
+        if constexpr (q5_format(F)) {  // the pair's high bits (quant_packed.h's q5_high_bit) to bits 4 and 20
+          const int p = 4 * g + j;
+          const __m256i plane = q4_group(s.values + 256, 0, h);
+          const __m256i bits = p >= 4 ? _mm256_srli_epi32(plane, p - 4) : _mm256_slli_epi32(plane, 4 - p);
+          q = _mm256_or_si256(q, _mm256_and_si256(bits, bit4));
+        }
         for (int r = 0; r < R; ++r) {
           const __m256i pair = _mm256_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]);
           sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(q, pair));
