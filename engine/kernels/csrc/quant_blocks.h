@@ -38,6 +38,10 @@ constexpr int64_t kBlock = 32;  // values per sub-block: the unit both kernels w
 // A weight repacked for decode (quant_packed.cpp) is named by its ggml type + this.
 constexpr int64_t kPackedFormat = 100;
 
+// The value Q4_0 and Q5_0 subtract from their unsigned q (w = d * (q - zero_point)): the middle of
+// the nibble's 0..15, of the 5-bit value's 0..31.
+constexpr float zero_point(int64_t format) { return format == kQ5_0 ? 16.0f : 8.0f; }
+
 // Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
 constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 8 : 1; }
 
@@ -155,7 +159,7 @@ inline __m256i unsigned_values(const uint8_t* g, int j, float& d, float& m) {
   }
   constexpr bool offset = F == kQ4_1 || F == kQ5_1;
   d = half_at(g);
-  m = offset ? half_at(g + 2) : (F == kQ5_0 ? -16.0f : -8.0f) * d;
+  m = offset ? half_at(g + 2) : -zero_point(F) * d;
   const uint8_t* values = g + (offset ? 4 : 2);
   if constexpr (F == kQ4_0 || F == kQ4_1) return block_nibbles(values);
   return _mm256_or_si256(block_nibbles(values + 4), q5_high_bits(values));
@@ -219,7 +223,7 @@ inline void dequant_block(const uint8_t* g, int64_t j, __m256 out[4]) {
   const __m256 d = _mm256_set1_ps(blk.d);
   for (int i = 0; i < 4; ++i) {
     if constexpr (F == kQ4_0 || F == kQ5_0)
-      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(F == kQ4_0 ? 8.0f : 16.0f)));
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(blk.q[i], _mm256_set1_ps(zero_point(F))));
     else if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K)
       out[i] = _mm256_add_ps(_mm256_mul_ps(d, blk.q[i]), _mm256_set1_ps(blk.m));
     else
@@ -254,7 +258,7 @@ inline void dequant_block16(const uint8_t* g, int64_t j, __m512 out[2]) {
   const __m512 dv = _mm512_set1_ps(d);
   for (int i = 0; i < 2; ++i) {
     if constexpr (F == kQ4_0 || F == kQ5_0)
-      out[i] = _mm512_mul_ps(dv, _mm512_sub_ps(q[i], _mm512_set1_ps(F == kQ4_0 ? 8.0f : 16.0f)));
+      out[i] = _mm512_mul_ps(dv, _mm512_sub_ps(q[i], _mm512_set1_ps(zero_point(F))));
     else if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K)
       out[i] = _mm512_add_ps(_mm512_mul_ps(dv, q[i]), _mm512_set1_ps(m));
     else

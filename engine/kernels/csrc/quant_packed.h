@@ -170,8 +170,7 @@ inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
     return {g + 32, d, _mm512_setzero_ps(), d};
   } else {
     const __m512 d = halves16(g);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
-    const float offset = F == kvtop_quant::kQ5_0 ? -16.0f : -8.0f;
-    const __m512 m = q4_scale_bytes(F) == 64 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(offset));
+    const __m512 m = q4_scale_bytes(F) == 64 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-kvtop_quant::zero_point(F)));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }
@@ -221,8 +220,8 @@ inline __m512 packed_q(const Sub& s, int k) {
 template <int64_t F>
 inline __m512 packed_weight(const Sub& s, int k) {
   const __m512 q = packed_q<F>(s, k);
-  if constexpr (F == kvtop_quant::kQ4_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
-  if constexpr (F == kvtop_quant::kQ5_0) return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(16.0f)));
+  if constexpr (F == kvtop_quant::kQ4_0 || F == kvtop_quant::kQ5_0)
+    return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(kvtop_quant::zero_point(F))));
   if constexpr (F == kvtop_quant::kQ6_K) return _mm512_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm512_fmadd_ps(s.d, q, s.m);
 }

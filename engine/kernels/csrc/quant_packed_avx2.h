@@ -25,6 +25,7 @@ using kvtop_quant::kQ4_K;
 using kvtop_quant::kQ5_0;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
+using kvtop_quant::zero_point;
 
 constexpr int64_t kHalf = 8;  // columns per half tile: one register's lanes
 
@@ -78,8 +79,7 @@ inline Half half_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb, int64_t
     return {g + 32, d, _mm256_setzero_ps(), d};
   } else {
     const __m256 d = halves8(g + 2 * c);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
-    const float offset = F == kQ5_0 ? -16.0f : -8.0f;
-    const __m256 m = q4_scale_bytes(F) == 64 ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(offset));
+    const __m256 m = q4_scale_bytes(F) == 64 ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(-zero_point(F)));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }
@@ -115,8 +115,7 @@ inline __m256 half_q(const Half& s, int k, int64_t h) {
 template <int64_t F>
 inline __m256 half_weight(const Half& s, int k, int64_t h) {
   const __m256 q = half_q<F>(s, k, h);
-  if constexpr (F == kQ4_0) return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(8.0f)));
-  if constexpr (F == kQ5_0) return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(16.0f)));
+  if constexpr (F == kQ4_0 || F == kQ5_0) return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(zero_point(F))));
   if constexpr (F == kQ6_K) return _mm256_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm256_add_ps(_mm256_mul_ps(s.d, q), s.m);
 }
