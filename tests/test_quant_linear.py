@@ -331,30 +331,32 @@ def test_k_and_q5_tensors_load_quantized_and_compute_the_files_values(smollm2_di
             assert ((down(rows).double() - expected).abs() / scale).max() < 1e-5
 
 
-def tiny_q4_k_m(tmp_path):
-    """benchmarks/random_gguf.py's tiny Q4_K_M file, written under tmp_path."""
+def tiny_q4_k_m(tmp_path, mix: str = "Q4_K_M"):
+    """benchmarks/random_gguf.py's tiny Q4_K_M (or `mix`) file, written under tmp_path."""
     import subprocess
     import sys
 
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    script = ["benchmarks/random_gguf.py", "--shape", "tiny", "--out", str(path)]
+    path = tmp_path / f"tiny-{mix.lower()}.gguf"
+    script = ["benchmarks/random_gguf.py", "--shape", "tiny", "--mix", mix, "--out", str(path)]
     subprocess.run([sys.executable, *script], check=True, capture_output=True, timeout=300)
     return path
 
 
 @pytest.mark.slow
 @needs_kernel
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
 def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_what_it_does(
-    smollm2_dir, tmp_path, capfd
+    smollm2_dir, tmp_path, capfd, mix
 ):
     """benchmarks/random_gguf.py's tiny Q4_K_M file (Q4_K, with Q6_K for the head and, in some layers,
-    attn_v and ffn_down): with quantization auto every projection stays in its blocks — a q/k/v whose
-    v is Q6_K as three parts — the weights take about the file's tensor bytes, and the config comes
-    from the file without de-quantizing it; the greedy tokens are those of transformers' de-quantized
-    load of the same file (its values transformers' conversion's: the next test)."""
-    from engine.model.quant_linear import StackedLinear
+    attn_v and ffn_down) and its Q5_K_M (Q5_K for Q4_K): with quantization auto every projection stays
+    in its blocks — a q/k/v whose v is Q6_K as three parts — repacked for decode where the kernel is
+    built, the weights take about the file's tensor bytes, and the config comes from the file without
+    de-quantizing it; the greedy tokens are those of transformers' de-quantized load of the same file
+    (its values transformers' conversion's: the next test)."""
+    from engine.model.quant_linear import StackedLinear, packed_kernel_available
 
-    path = tiny_q4_k_m(tmp_path)
+    path = tiny_q4_k_m(tmp_path, mix)
     tensor_bytes = gguf_tensor_bytes(path)
     prompts = ["Hello there, how are", "The capital of France is", "1, 2, 3,"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -362,11 +364,13 @@ def test_a_q4_k_m_file_loads_quantized_without_a_dequantized_copy_and_generates_
     err = capfd.readouterr().err
     assert "converting" not in err and "no quantized kernel" not in err, err
     memory = quant.stats()["memory"]
-    assert memory["weights_format"] == "Q6_K, Q4_K, float32"
+    assert memory["weights_format"] == f"Q6_K, {mix[:4]}, float32"
     assert memory["weights"] <= 1.1 * tensor_bytes
     net = quant.engine.model
     assert isinstance(net.layers[1].qkv_proj, StackedLinear)  # layer 1 of 2 gets more bits: v in Q6_K
     assert all(isinstance(layer.gate_up_proj, QuantLinear) for layer in net.layers)
+    linears = [m for m in net.layers.modules() if isinstance(m, QuantLinear)]
+    assert all(m.packed for m in linears) or not packed_kernel_available()
     quantized_tokens = [o.token_ids for o in quant.generate(prompts, params)]
     dense = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory="64MiB", quiet=True)
     assert [o.token_ids for o in dense.generate(prompts, params)] == quantized_tokens

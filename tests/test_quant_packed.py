@@ -1,7 +1,7 @@
-"""Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode (csrc/quant_packed.cpp): the
-same bytes in tiles of 16 columns, which one to four rows multiply with the columns in a register's
-lanes; AMX tiles and fp32 panels for more rows are read out of them, and only the reference unpacks
-them to the file's layout. AVX-512 (with BF16) multiplies 16 columns a register, AVX2 8
+"""Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 weights repacked at load for decode
+(csrc/quant_packed.cpp): the same bytes in tiles of 16 columns, which one to four rows multiply with
+the columns in a register's lanes; AMX tiles and fp32 panels for more rows are read out of them, and
+only the reference unpacks them to the file's layout. AVX-512 (with BF16) multiplies 16 columns a register, AVX2 8
 (csrc/quant_packed_avx2.h: the AVX2 build's run takes this file); only AVX-512 pairs an MLP's gate
 and up tiles for SiLU-and-mul in the kernel."""
 

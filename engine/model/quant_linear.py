@@ -9,14 +9,14 @@ for a few rows (decode, where the weights' bytes set the time), and from `gemv_r
 once for up to 256 rows and multiplies it with the fp32 panel GEMM's register blocks. SmolLM2-135M's
 Q4_1 projections are 0.625 bytes a weight against fp32's 4 and bf16's 2.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights are repacked at load (`pack_for_decode`: the same bytes,
-tiles of 16 columns; csrc/quant_packed.cpp): one to four rows multiply 16 columns a register as
+All of them are repacked at load (`pack_for_decode`: the same bytes, tiles of 16 columns;
+csrc/quant_packed.cpp): one to four rows multiply 16 columns a register as
 int16 (AVX-512 with BF16 and VNNI; 8 columns with AVX2, csrc/quant_packed_avx2.h) — each block of 32
 activations rounded to 16 bits of its range, the products summed exactly in int32, each block's
 scale applied once per tile; more rows read AMX tiles or fp32 panels straight out of the tiles, no
 transpose. The file layout's kernels above run where packing is switched off (`KVTOP_QUANT_PACK=0`)
-and for Q5_K, which is not packed. (Q5_0 is what llama.cpp's Q4_K_M writes for rows that are not a
-multiple of 256, SmolLM2's 576; Q5_1 Q5_K_M's, likewise.)
+or a weight's N is not a multiple of 16. (Q5_0 is what llama.cpp's Q4_K_M writes for rows that are not
+a multiple of 256, SmolLM2's 576; Q5_1 Q5_K_M's, likewise; Q5_K is most of a Q5_K_M file.)
 
 The reference — `dequantize` (the `gguf` package's de-quantization) then `F.linear` — is the oracle
 in the tests, and the path where the kernel is not built. A tied embedding looks its rows up in the
@@ -36,8 +36,7 @@ from engine.kernels import cpu
 from engine.model.packed_linear import gate_up_order
 from engine.runtime.knobs import knob
 
-# the formats our kernel runs, by ggml type id (quant_blocks.h's kQ4_0 … kQ6_K); Q5_K on the file's
-# layout only (not in PACKED_FORMATS)
+# the formats our kernel runs, by ggml type id (quant_blocks.h's kQ4_0 … kQ6_K)
 KERNEL_FORMATS = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
@@ -71,15 +70,7 @@ def gate_up_kernel_available() -> bool:
     return cpu.says("quant_gate_up_supported")
 
 
-PACKED_FORMATS = (  # what quant_pack repacks
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.Q8_0,
-)
+PACKED_FORMATS = KERNEL_FORMATS  # what quant_pack repacks (csrc/quant_packed.h's packable_format): all of them
 PACKED_OFFSET = 100  # a packed weight's kernel format: its ggml type + this (quant_blocks.h's kPackedFormat)
 PACKED_TILE = 16  # columns per tile: N must be a multiple
 
@@ -192,7 +183,7 @@ class QuantGateUp(QuantLinear):
 
 
 def pack_for_decode(net: nn.Module) -> int:
-    """Repack a model's Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K/Q8_0 QuantLinears (its layers' and its logits head's; an
+    """Repack a model's QuantLinears (its layers' and its logits head's; an
     embedding tied to a Q8_0 head reads the packed blocks; an MLP's gate/up becomes a QuantGateUp)
     where the packed kernel is built; returns how many were packed."""
     if knob("KVTOP_QUANT_PACK") == "0" or not packed_kernel_available():

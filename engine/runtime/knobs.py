@@ -39,7 +39,7 @@ KNOBS = {
              "A second, oneDNN-packed copy of the projections for prefill-sized steps: auto when it is at most "
              "1 GiB, 1 always, 0 never."),
         Knob("KVTOP_QUANT_PACK", "1", ("1", "0"),
-             "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K/Q8_0 weights repacked at load into the AVX-512 decode kernel's tiles (same "
+             "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/Q8_0 weights repacked at load into the AVX-512 decode kernel's tiles (same "
              "bytes); 0 keeps the file's layout."),
         Knob("KVTOP_FUSED_DECODE", "1", ("1", "0"),
              "Decode steps through the C++ fused layer loop (CPU backend); 0 runs the Python loop."),

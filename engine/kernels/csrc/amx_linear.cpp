@@ -371,7 +371,7 @@ void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t h, int
 
 // Tile (kb, h) of group g, as dequant_tile makes it, from a weight packed for decode (quant_packed.h):
 // a packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
-// 2r + 1: for Q4_0, Q4_1, Q4_K and Q6_K the values quant_packed.cpp's kernel reads, scaled as the
+// 2r + 1: for the Q4, Q5 and K formats the values quant_packed.cpp's kernel reads, scaled as the
 // reference does (packed_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
 // itself, times d. No transpose.
 template <int64_t F>
@@ -529,7 +529,7 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   const int64_t file_format = packed ? format - kvtop_quant::kPackedFormat : format;
   kvtop_quant::check_blocks(blocks, file_format, n, k, name);
   TORCH_CHECK(!packed || (kvtop_packed::packable_format(file_format) && n % kvtop_packed::kTile == 0),
-              name, ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights of 16k columns are packed");
+              name, ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 weights of 16k columns are packed");
   TORCH_CHECK(kind == Epilogue::kPlain || (packed && n % kGroupN == 0), name, ": a packed gate/up weight of 32k rows expected");
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0), kbs = k / kTileK, groups = round_up(n, kGroupN) / kGroupN;

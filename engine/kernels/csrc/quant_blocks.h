@@ -11,8 +11,7 @@
 //   Q6_K (ggml type 14): 256 values, 210 bytes                          w = (d * scale) * (q - 32)
 // The Q5 formats' q is 5 bits: a nibble as Q4's, plus 16 where its high bit is set. They are common
 // where a model's rows are not a multiple of 256 (llama.cpp's Q4_K_M then writes Q5_0, Q5_K_M Q5_1:
-// SmolLM2's 576) and in Q5_K_M files. Q5_0 and Q5_1 are packed for decode as Q4's are (quant_packed.h);
-// Q5_K runs on the file's layout.
+// SmolLM2's 576) and in Q5_K_M files. They are packed for decode as the Q4 formats are (quant_packed.h).
 // Included after `#pragma GCC optimize("fp-contract=off")` (set here too): dequant_block's mul then add
 // must stay two roundings, as the reference's.
 #pragma once

@@ -68,7 +68,7 @@ at::Tensor quant_tiles_gate_up(const at::Tensor& x, const at::Tensor& blocks, in
                                const std::optional<at::Tensor>& bias, bool silu);
 }  // namespace kvtop_amx
 
-namespace kvtop_packed {  // csrc/quant_packed.cpp: Q4_0/Q4_1/Q8_0 repacked for decode
+namespace kvtop_packed {  // csrc/quant_packed.cpp: the GGUF weights repacked for decode
 bool supported();
 bool gate_up_supported();
 bool gemv_takes(const at::Tensor& x);

@@ -1,5 +1,6 @@
-// GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights repacked at load for decode: the same bytes
-// in tiles of 16 output columns, which one to four rows multiply with the columns in a register's 16 lanes (issue #41).
+// GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 weights repacked at load for decode: the same
+// bytes in tiles of 16 output columns, which one to four rows multiply with the columns in a register's
+// 16 lanes (issue #41).
 //
 // Why: at one to four rows a decode step's time on the file's layout (quant_gemm.cpp's quant_gemv) is
 // the de-quantization, not the memory: each column's nibbles are widened, converted and multiplied
@@ -13,14 +14,14 @@
 // and an FMA for 16 (benchmarks/HISTORY.md, #41's sixth pass), so one row runs at what the cache
 // delivers rather than at ports 0 and 5. Each block's integer sum is scaled once (d times the row's
 // scale); the offset term keeps x's fp32 sums. Q6_K's word is its low nibble | its high 2 bits << 4
-// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16; Q5_0/Q5_1's is Q4's pair with the
-// two values' high bits at bit 4 of each word (one shift of the high-bit plane, a mask), Q5_0's offset
-// -16 d. AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
+// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16; Q5_0/Q5_1/Q5_K's is Q4's pair with
+// the two values' high bits at bit 4 of each word (one shift of the high-bit plane, a mask), Q5_0's
+// offset -16 d. AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
 // each of the file's groups along K in turn, 16 columns' worth:
-//   Q4_0 / Q4_1 / Q4_K: per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
+//   Q4_0 / Q4_1 / Q4_K (and the Q5 formats' low 4 bits): per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
 //     c's elements 8g .. 8g + 7, a nibble each (for the fp32 panels and AMX tiles, `vpermps` reads only
 //     an index's low 4 bits, so the dwords shifted right by 4j index a table of the floats 0..15
 //     straight to the 16 columns' element 8g + j). The scales (Q4_K's 6-bit scales and mins, 16
@@ -67,6 +68,7 @@ using kvtop_quant::kQ4_1;
 using kvtop_quant::kQ4_K;
 using kvtop_quant::kQ5_0;
 using kvtop_quant::kQ5_1;
+using kvtop_quant::kQ5_K;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
 
@@ -92,8 +94,8 @@ bool gate_up_supported() {
 namespace {
 
 void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const char* op) {
-  TORCH_CHECK(packable_format(format), op, ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q8_0 weights are packed, not ggml type ",
-              format);
+  TORCH_CHECK(packable_format(format), op,
+              ": only Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 weights are packed, not ggml type ", format);
   TORCH_CHECK(n % kTile == 0, op, ": N must be a multiple of ", kTile);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) == n,
               op, ": the weight must be a contiguous uint8 [N, row bytes]");
@@ -101,13 +103,13 @@ void check_packable(const at::Tensor& blocks, int64_t format, int64_t n, const c
 }
 
 // Element k (0..31) of sub-block j of a file group's nibbles: Q4_0/Q4_1/Q5_0/Q5_1 byte k's low half for k < 16,
-// byte k - 16's high half; Q4_K's sub-blocks 2i and 2i + 1 the low and high halves of bytes 32i ..
+// byte k - 16's high half; Q4_K's and Q5_K's sub-blocks 2i and 2i + 1 the low and high halves of bytes 32i ..
 inline uint8_t file_nibble(int64_t format, const uint8_t* qs, int j, int k) {
-  if (format == kQ4_K) return (qs[32 * (j / 2) + k] >> (4 * (j & 1))) & 0x0F;
+  if (k_quant_format(format)) return (qs[32 * (j / 2) + k] >> (4 * (j & 1))) & 0x0F;
   return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4;
 }
 inline void set_file_nibble(int64_t format, uint8_t* qs, int j, int k, uint8_t v) {
-  if (format == kQ4_K)
+  if (k_quant_format(format))
     qs[32 * (j / 2) + k] |= static_cast<uint8_t>(v << (4 * (j & 1)));
   else
     qs[k % 16] |= static_cast<uint8_t>(v << (k < 16 ? 0 : 4));
@@ -118,32 +120,50 @@ inline void set_file_nibble(int64_t format, uint8_t* qs, int j, int k, uint8_t v
 // start in the tile.
 struct GroupLayout {
   int scales;  // fp16 fields per column: d (and m or dmin)
-  int head;    // the file group's bytes before its values (Q5: the scales, then the high bits' 4)
-  bool k_format;
-  int64_t nibbles(int j) const { return k_format ? 256 + 256 * j : 32 * scales; }
+  int head;    // the file group's bytes before its values (Q5: the scales, then the high bits)
+  int64_t sub_bytes;  // a K format's sub-block in the tile (quant_packed.h's k_sub_bytes); 0 otherwise
+  int64_t nibbles(int j) const { return sub_bytes ? 256 + sub_bytes * j : 32 * scales; }
 };
 inline GroupLayout group_layout(int64_t format) {
-  if (format == kQ4_K) return {2, 16, true};
-  if (format == kQ4_1) return {2, 4, false};
-  if (format == kQ5_0) return {1, 6, false};
-  if (format == kQ5_1) return {2, 8, false};
-  return {1, 2, false};  // Q4_0, Q8_0
+  if (format == kQ4_K) return {2, 16, k_sub_bytes(kQ4_K)};
+  if (format == kQ5_K) return {2, 48, k_sub_bytes(kQ5_K)};  // d, dmin, scales[12], qh[32]
+  if (format == kQ4_1) return {2, 4, 0};
+  if (format == kQ5_0) return {1, 6, 0};
+  if (format == kQ5_1) return {2, 8, 0};
+  return {1, 2, 0};  // Q4_0, Q8_0
 }
 
-// Copies one column's 32 Q5 high bits between the file's qh (bit k: element k) and its dword of the
-// tile's high-bit plane (element k at q5_high_bit(k)).
-void copy_q5_high_bits(uint8_t* plane_dword, uint8_t* qh, bool to_tile) {
-  uint32_t file_bits, tile_bits = 0;
+// Copies one column's 32 Q5 high bits of a sub-block between `bits` (bit k: element k) and its dword
+// of the tile's high-bit plane (element k at q5_high_bit(k)).
+void copy_q5_high_bits(uint8_t* plane_dword, uint32_t& bits, bool to_tile) {
+  uint32_t tile_bits = 0;
   if (to_tile) {
-    std::memcpy(&file_bits, qh, 4);
-    for (int k = 0; k < kBlock; ++k) tile_bits |= ((file_bits >> k) & 1u) << q5_high_bit(k);
+    for (int k = 0; k < kBlock; ++k) tile_bits |= ((bits >> k) & 1u) << q5_high_bit(k);
     std::memcpy(plane_dword, &tile_bits, 4);
   } else {
     std::memcpy(&tile_bits, plane_dword, 4);
-    file_bits = 0;
-    for (int k = 0; k < kBlock; ++k) file_bits |= ((tile_bits >> q5_high_bit(k)) & 1u) << k;
-    std::memcpy(qh, &file_bits, 4);
+    bits = 0;
+    for (int k = 0; k < kBlock; ++k) bits |= ((tile_bits >> q5_high_bit(k)) & 1u) << k;
   }
+}
+
+// Sub-block j's 32 high bits in a file group's qh (bit k: element k): Q5_0/Q5_1's 4 bytes are the
+// block's; Q5_K's 32 bytes hold element 32j + k at bit j of byte k.
+uint32_t file_high_bits(int64_t format, const uint8_t* qh, int j) {
+  uint32_t bits = 0;
+  if (format != kQ5_K) {
+    std::memcpy(&bits, qh, 4);
+    return bits;
+  }
+  for (int k = 0; k < kBlock; ++k) bits |= ((qh[k] >> j) & 1u) << k;
+  return bits;
+}
+void set_file_high_bits(int64_t format, uint8_t* qh, int j, uint32_t bits) {
+  if (format != kQ5_K) {
+    std::memcpy(qh, &bits, 4);
+    return;
+  }
+  for (int k = 0; k < kBlock; ++k) qh[k] = static_cast<uint8_t>((qh[k] & ~(1u << j)) | ((bits >> k) & 1u) << j);
 }
 
 // Where Q8_0 element k of column c sits in a tile block's values.
@@ -205,13 +225,13 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
       uint8_t* b = blk[c] + 2 * f;
       to_tile ? std::memcpy(a, b, 2) : std::memcpy(b, a, 2);
     }
-    if (format == kQ4_K)
+    if (k_quant_format(format))
       for (int r = 0; r < 12; ++r) {  // the 6-bit scales, 16 columns a row
         uint8_t* a = tile + 64 + 16 * r + c;
         to_tile ? (*a = blk[c][4 + r]) : (blk[c][4 + r] = *a);
       }
-    if (q5_format(format)) copy_q5_high_bits(tile + 32 * L.scales + 256 + 4 * c, blk[c] + 2 * L.scales, to_tile);
     uint8_t* qs = blk[c] + L.head;
+    uint8_t* qh = qs - (format == kQ5_K ? 32 : 4);  // a Q5 format's high bits: just before its nibbles
     if (format == kQ8_0) {
       for (int k = 0; k < kBlock; ++k) {
         uint8_t* a = tile + 32 + q8_place(c, k);
@@ -220,6 +240,11 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
       continue;
     }
     for (int j = 0; j < subs; ++j) {
+      if (q5_format(format)) {  // the sub-block's high-bit plane, after its nibbles
+        uint32_t bits = to_tile ? file_high_bits(format, qh, j) : 0;
+        copy_q5_high_bits(tile + L.nibbles(j) + 256 + 4 * c, bits, to_tile);
+        if (!to_tile) set_file_high_bits(format, qh, j, bits);
+      }
       uint8_t* dwords = tile + L.nibbles(j) + 4 * c;  // group g's dword c at 64 g: elements 8g .. 8g + 7
       for (int i = 0; i < 16; ++i) {                 // byte i of the four: elements 2i, 2i + 1
         uint8_t& byte = dwords[64 * (i / 4) + i % 4];
@@ -602,28 +627,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
     else
       body(f, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   };
-  if (format == kQ8_0)
-    by_output(std::integral_constant<int64_t, kQ8_0>{});
-  else if (format == kQ4_K)
-    by_output(std::integral_constant<int64_t, kQ4_K>{});
-  else if (format == kQ6_K)
-    by_output(std::integral_constant<int64_t, kQ6_K>{});
-  else if (format == kQ4_1)
-    by_output(std::integral_constant<int64_t, kQ4_1>{});
-  else if (format == kQ5_0)
-    by_output(std::integral_constant<int64_t, kQ5_0>{});
-  else if (format == kQ5_1)
-    by_output(std::integral_constant<int64_t, kQ5_1>{});
-  else
-    by_output(std::integral_constant<int64_t, kQ4_0>{});
+  kvtop_quant::by_format(format, by_output);  // every format the kernels run is packed
 #endif
   return y;
 }
 
-// Columns [p * width, p * width + width) of a packed weight as fp32 panel rows: out [K, width], row k
-// holding W[col, k] — the reference's values (mul then add; Q4_0's d * (q - 8); Q8_0's d * q), zero
-// past N — for quant_gemm.cpp's panels (fp32 rows past the decode rows, and bf16 ones without AMX).
-// A tile's 16 columns are a 16-lane segment of every panel row: no transpose.
+// Tile t's 16 columns of every sub-block as a 16-lane segment of the panel rows (dequant_panel, below).
 namespace {
 #ifdef KVTOP_QUANT_PACKED
 template <int64_t F>
@@ -667,15 +676,7 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
       for (int64_t row = 0; row < k; ++row) std::memset(seg + row * width, 0, kTile * sizeof(float));
       continue;
     }
-    switch (format) {
-      case kQ8_0: panel_rows<kQ8_0>(w, t, nb, width, seg); break;
-      case kQ4_K: panel_rows<kQ4_K>(w, t, nb, width, seg); break;
-      case kQ6_K: panel_rows<kQ6_K>(w, t, nb, width, seg); break;
-      case kQ4_1: panel_rows<kQ4_1>(w, t, nb, width, seg); break;
-      case kQ5_0: panel_rows<kQ5_0>(w, t, nb, width, seg); break;
-      case kQ5_1: panel_rows<kQ5_1>(w, t, nb, width, seg); break;
-      default: panel_rows<kQ4_0>(w, t, nb, width, seg); break;
-    }
+    kvtop_quant::by_format(format, [&](auto f) { panel_rows<decltype(f)::value>(w, t, nb, width, seg); });
   }
 #else
   (void)w, (void)format, (void)p, (void)n, (void)k, (void)width, (void)out;

@@ -8,6 +8,8 @@
 //   Q4_K (group: 256 values in 8 sub-blocks of 32): d[16] fp16, dmin[16] fp16, the 12 bytes of 6-bit
 //     scales and mins as 12 rows of 16 (row r's byte c: column c's byte r), then 8 × 256 bytes of
 //     nibbles, sub-block j's at 256 + 256 j;
+//   Q5_K (group: 256 values): as Q4_K, each sub-block's nibbles followed by its high bits as Q5_0's
+//     (64 bytes): sub-block j at 256 + 320 j;
 //   nibbles of a sub-block: 4 groups of 64 bytes, group g's dword c holding column c's elements
 //     8g .. 8g + 7, element 8g + i in bits 4i .. 4i + 3;
 //   Q6_K (group: 256 values in 8 sub-blocks of 32, a scale per 16): d[16] fp16, the 16 int8 scales as
@@ -40,14 +42,23 @@ namespace kvtop_packed {
 
 constexpr int64_t kTile = 16;  // columns per tile: one fp32 register's lanes
 
-// Q5_0 and Q5_1: Q4_0 and Q4_1 with a fifth bit a value.
-constexpr bool q5_format(int64_t format) { return format == kvtop_quant::kQ5_0 || format == kvtop_quant::kQ5_1; }
-
-// The formats packed (Q5_K is not: it runs on the file's layout, quant_blocks.h).
-constexpr bool packable_format(int64_t format) {
-  return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ4_K ||
-         format == kvtop_quant::kQ6_K || format == kvtop_quant::kQ8_0 || q5_format(format);
+// Q5_0, Q5_1 and Q5_K: Q4_0, Q4_1 and Q4_K with a fifth bit a value, in a 64-byte plane after each
+// sub-block's nibbles.
+constexpr bool q5_format(int64_t format) {
+  return format == kvtop_quant::kQ5_0 || format == kvtop_quant::kQ5_1 || format == kvtop_quant::kQ5_K;
 }
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 a group, each with its 6-bit scale and min.
+constexpr bool k_quant_format(int64_t format) { return format == kvtop_quant::kQ4_K || format == kvtop_quant::kQ5_K; }
+
+// The formats packed: every one the kernels run.
+constexpr bool packable_format(int64_t format) {
+  return format == kvtop_quant::kQ4_0 || format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ6_K ||
+         format == kvtop_quant::kQ8_0 || k_quant_format(format) || q5_format(format);
+}
+
+// Bytes of a K format's sub-block in a tile: its nibbles (and Q5_K's high-bit plane).
+constexpr int64_t k_sub_bytes(int64_t format) { return q5_format(format) ? 320 : 256; }
 
 // Where element i (0..15) of a Q6_K high-bits dword keeps its 2 bits: elements 8u + v (v < 4) in the
 // low word at 2(4u + v), their partners 8u + v + 4 in the high word at the same place.
@@ -157,14 +168,14 @@ inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
           d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32 + 16 * r)))));
     };
     return {g + 288 + 384 * j, scale(2 * j), _mm512_setzero_ps(), scale(2 * j + 1)};
-  } else if constexpr (F == kvtop_quant::kQ4_K) {
+  } else if constexpr (k_quant_format(F)) {
     const int64_t j = b % kG;
     __m512i sc, mn;
     q4k_scales(g + 64, j, sc, mn);
     const __m512 d = _mm512_mul_ps(halves16(g), _mm512_cvtepi32_ps(sc));
     const __m512 min = _mm512_mul_ps(halves16(g + 32), _mm512_cvtepi32_ps(mn));
     const __m512 m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), _mm512_set1_epi32(INT32_MIN)));  // -min
-    return {g + 256 + 256 * j, d, m, d};
+    return {g + 256 + k_sub_bytes(F) * j, d, m, d};
   } else if constexpr (F == kvtop_quant::kQ8_0) {
     const __m512 d = halves16(g);
     return {g + 32, d, _mm512_setzero_ps(), d};

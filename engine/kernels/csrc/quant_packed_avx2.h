@@ -21,7 +21,6 @@ namespace kvtop_packed::avx2 {
 using kvtop_quant::kBlock;
 using kvtop_quant::kQ4_0;
 using kvtop_quant::kQ4_1;
-using kvtop_quant::kQ4_K;
 using kvtop_quant::kQ5_0;
 using kvtop_quant::kQ6_K;
 using kvtop_quant::kQ8_0;
@@ -67,13 +66,13 @@ inline Half half_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb, int64_t
           d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 32 + 16 * r + c)))));
     };
     return {g + 288 + 384 * j, scale(2 * j), _mm256_setzero_ps(), scale(2 * j + 1)};
-  } else if constexpr (F == kQ4_K) {
+  } else if constexpr (k_quant_format(F)) {
     const int64_t j = b % kG;
     __m256i sc, mn;
     q4k_scales8(g + 64 + c, j, sc, mn);
     const __m256 d = _mm256_mul_ps(halves8(g + 2 * c), _mm256_cvtepi32_ps(sc));
     const __m256 min = _mm256_mul_ps(halves8(g + 32 + 2 * c), _mm256_cvtepi32_ps(mn));
-    return {g + 256 + 256 * j, d, _mm256_xor_ps(min, _mm256_set1_ps(-0.0f)), d};  // m = -min
+    return {g + 256 + k_sub_bytes(F) * j, d, _mm256_xor_ps(min, _mm256_set1_ps(-0.0f)), d};  // m = -min
   } else if constexpr (F == kQ8_0) {
     const __m256 d = halves8(g + 2 * c);
     return {g + 32, d, _mm256_setzero_ps(), d};
