@@ -21,12 +21,12 @@
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
 // each of the file's groups along K in turn, 16 columns' worth:
-//   Q4_0 / Q4_1 / Q4_K (and the Q5 formats' low 4 bits): per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
+//   Q4_0 / Q4_1 / Q4_K: per sub-block of 32 K values, 4 groups of 64 bytes whose dword c holds column
 //     c's elements 8g .. 8g + 7, a nibble each (for the fp32 panels and AMX tiles, `vpermps` reads only
 //     an index's low 4 bits, so the dwords shifted right by 4j index a table of the floats 0..15
-//     straight to the 16 columns' element 8g + j). The scales (Q4_K's 6-bit scales and mins, 16
-//     columns a row) come out once per sub-block as 16 lanes. Q5's and Q6_K's low 4 bits are laid out
-//     so too, their high bits beside them.
+//     straight to the 16 columns' element 8g + j). The scales (Q4_K's and Q5_K's 6-bit scales and mins,
+//     16 columns a row) come out once per sub-block as 16 lanes. The Q5 formats' and Q6_K's low 4 bits
+//     are laid out so too, their high bits beside them.
 //   Q8_0: 16 rows of 32 bytes, row r's byte 2c + e column c's element 2r + e: a row widened to words is
 //     16 columns' (element 2r, 2r + 1) pairs.
 // A row of a tile's values is also a row of quant_gemm's fp32 panels (dequant_panel below) and, in
