@@ -41,6 +41,10 @@ constexpr int64_t kPackedFormat = 100;
 // the nibble's 0..15, of the 5-bit value's 0..31.
 constexpr float zero_point(int64_t format) { return format == kQ5_0 ? 16.0f : 8.0f; }
 
+// Q4_1 and Q5_1: a block stores its offset m beside d (w = d * q + m), where Q4_0 and Q5_0 subtract
+// their zero point.
+constexpr bool stores_offset(int64_t format) { return format == kQ4_1 || format == kQ5_1; }
+
 // Sub-blocks of 32 per group (the file's block: 1, or 8 in a K format's super-block of 256).
 constexpr int64_t group_blocks(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 8 : 1; }
 
@@ -156,7 +160,7 @@ inline __m256i unsigned_values(const uint8_t* g, int j, float& d, float& m) {
     if constexpr (F == kQ4_K) return k_nibbles(g + 16, j);
     return _mm256_or_si256(k_nibbles(g + 48, j), q5k_high_bits(g + 16, j));
   }
-  constexpr bool offset = F == kQ4_1 || F == kQ5_1;
+  constexpr bool offset = stores_offset(F);
   d = half_at(g);
   m = offset ? half_at(g + 2) : -zero_point(F) * d;
   const uint8_t* values = g + (offset ? 4 : 2);

@@ -133,18 +133,17 @@ inline GroupLayout group_layout(int64_t format) {
   return {1, 2, 0};  // Q4_0, Q8_0
 }
 
-// Copies one column's 32 Q5 high bits of a sub-block between `bits` (bit k: element k) and its dword
-// of the tile's high-bit plane (element k at q5_high_bit(k)).
-void copy_q5_high_bits(uint8_t* plane_dword, uint32_t& bits, bool to_tile) {
-  uint32_t tile_bits = 0;
-  if (to_tile) {
-    for (int k = 0; k < kBlock; ++k) tile_bits |= ((bits >> k) & 1u) << q5_high_bit(k);
-    std::memcpy(plane_dword, &tile_bits, 4);
-  } else {
-    std::memcpy(&tile_bits, plane_dword, 4);
-    bits = 0;
-    for (int k = 0; k < kBlock; ++k) bits |= ((tile_bits >> q5_high_bit(k)) & 1u) << k;
-  }
+// A sub-block's 32 Q5 high bits in element order (bit k: element k) as a tile's plane holds them
+// (element k at q5_high_bit(k)), and back.
+uint32_t plane_order(uint32_t bits) {
+  uint32_t out = 0;
+  for (int k = 0; k < kBlock; ++k) out |= ((bits >> k) & 1u) << q5_high_bit(k);
+  return out;
+}
+uint32_t element_order(uint32_t plane) {
+  uint32_t out = 0;
+  for (int k = 0; k < kBlock; ++k) out |= ((plane >> q5_high_bit(k)) & 1u) << k;
+  return out;
 }
 
 // Sub-block j's 32 high bits in a file group's qh (bit k: element k): Q5_0/Q5_1's 4 bytes are the
@@ -231,7 +230,6 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
         to_tile ? (*a = blk[c][4 + r]) : (blk[c][4 + r] = *a);
       }
     uint8_t* qs = blk[c] + L.head;
-    uint8_t* qh = qs - (format == kQ5_K ? 32 : 4);  // a Q5 format's high bits: just before its nibbles
     if (format == kQ8_0) {
       for (int k = 0; k < kBlock; ++k) {
         uint8_t* a = tile + 32 + q8_place(c, k);
@@ -240,10 +238,17 @@ void copy_group(int64_t format, uint8_t* tile, uint8_t* const blk[kTile], bool t
       continue;
     }
     for (int j = 0; j < subs; ++j) {
-      if (q5_format(format)) {  // the sub-block's high-bit plane, after its nibbles
-        uint32_t bits = to_tile ? file_high_bits(format, qh, j) : 0;
-        copy_q5_high_bits(tile + L.nibbles(j) + 256 + 4 * c, bits, to_tile);
-        if (!to_tile) set_file_high_bits(format, qh, j, bits);
+      if (q5_format(format)) {  // the sub-block's high-bit plane (after its nibbles); the file's qh just before qs
+        uint8_t* plane = tile + L.nibbles(j) + 256 + 4 * c;
+        uint8_t* qh = qs - (format == kQ5_K ? 32 : 4);
+        uint32_t bits;
+        if (to_tile) {
+          bits = plane_order(file_high_bits(format, qh, j));
+          std::memcpy(plane, &bits, 4);
+        } else {
+          std::memcpy(&bits, plane, 4);
+          set_file_high_bits(format, qh, j, element_order(bits));
+        }
       }
       uint8_t* dwords = tile + L.nibbles(j) + 4 * c;  // group g's dword c at 64 g: elements 8g .. 8g + 7
       for (int i = 0; i < 16; ++i) {                 // byte i of the four: elements 2i, 2i + 1

@@ -70,9 +70,7 @@ constexpr int q6k_high_bit(int i) { return 16 * ((i % 8) / 4) + 2 * (4 * (i / 8)
 constexpr int q5_high_bit(int e) { return 16 * ((e % 8) / 4) + 4 * (e / 8) + e % 4; }
 
 // Bytes before a Q4_0/Q4_1/Q5_0/Q5_1 group's nibbles: d[16], and m[16] for Q4_1 and Q5_1.
-constexpr int64_t q4_scale_bytes(int64_t format) {
-  return format == kvtop_quant::kQ4_1 || format == kvtop_quant::kQ5_1 ? 64 : 32;
-}
+constexpr int64_t q4_scale_bytes(int64_t format) { return kvtop_quant::stores_offset(format) ? 64 : 32; }
 
 #ifdef KVTOP_QUANT_PACKING
 // Software prefetch of the weight stream, this many bytes ahead of the block being multiplied: a
@@ -181,7 +179,7 @@ inline Sub packed_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb) {
     return {g + 32, d, _mm512_setzero_ps(), d};
   } else {
     const __m512 d = halves16(g);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
-    const __m512 m = q4_scale_bytes(F) == 64 ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-kvtop_quant::zero_point(F)));
+    const __m512 m = kvtop_quant::stores_offset(F) ? halves16(g + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-kvtop_quant::zero_point(F)));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }

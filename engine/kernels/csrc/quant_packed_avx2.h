@@ -78,7 +78,7 @@ inline Half half_sub(const uint8_t* w, int64_t t, int64_t b, int64_t nb, int64_t
     return {g + 32, d, _mm256_setzero_ps(), d};
   } else {
     const __m256 d = halves8(g + 2 * c);  // m: Q4_0's -8 d, Q5_0's -16 d (their offset terms)
-    const __m256 m = q4_scale_bytes(F) == 64 ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(-zero_point(F)));
+    const __m256 m = kvtop_quant::stores_offset(F) ? halves8(g + 32 + 2 * c) : _mm256_mul_ps(d, _mm256_set1_ps(-zero_point(F)));
     return {g + q4_scale_bytes(F), d, m, d};
   }
 }
