@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 
 from engine import LLM
 from engine.kernels import cpu
+from engine.model.packed_linear import PROJECTIONS, AMXLinear
 from engine.model.quant_linear import (
     PACKED_FORMATS,
     QuantEmbedding,
@@ -235,9 +236,14 @@ def test_smollm2_in_bf16_packs_its_layers_and_head_and_answers_as_the_dequantize
     assert ours.stats()["memory"]["weights"] == unpacked.stats()["memory"]["weights"]
     del unpacked
     dense = load("none")
+    # the oracle's projections on AMX tiles of the bf16 weights, the tiles ours multiply prefill's rows by
+    assert all(
+        isinstance(getattr(layer, name), AMXLinear) for layer in dense.engine.model.layers for name in PROJECTIONS
+    )
     prompts = chat_prompts(ours.tokenizer)
     a, b = greedy_tokens(ours, prompts), greedy_tokens(dense, prompts)
-    assert sum(x == y for x, y in zip(a, b, strict=True)) >= 60
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    assert same >= 60, f"{same} of 64 prompts' 32 greedy tokens equal; AMX: {cpu.says('amx_supported')}"
 
 
 @pytest.mark.slow
