@@ -236,7 +236,7 @@ def test_smollm2_in_bf16_packs_its_layers_and_head_and_answers_as_the_dequantize
     assert ours.stats()["memory"]["weights"] == unpacked.stats()["memory"]["weights"]
     del unpacked
     dense = load("none")
-    # the oracle's projections on AMX tiles of the bf16 weights, the tiles ours multiply prefill's rows by
+    # the oracle: its projections on AMX tiles of the bf16 weights (a oneDNN copy for steps of 1,536+ rows)
     assert all(
         isinstance(getattr(layer, name), AMXLinear) for layer in dense.engine.model.layers for name in PROJECTIONS
     )
