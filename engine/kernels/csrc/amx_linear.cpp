@@ -17,7 +17,7 @@
 // GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear and quant_gate_up): a bf16 model's
 // rows past the decode rows, multiplied by tiles de-quantized a group of 32 columns at a time into
 // this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — for a decode step's
-// rows a K chunk at a time in L1 (up to 64 rows: run_groups_in_l1) or each thread's next group while
+// rows a K chunk at a time in L1 (up to 32 or 64 rows: run_groups_in_l1) or each thread's next group while
 // the last one multiplies (Pipelined), for prefill's a slab shared by the threads — and multiplied as
 // above, with amx_gate_up's epilogues for a gate/up weight packed in tile pairs.
 //
@@ -60,6 +60,7 @@ constexpr int64_t kTileK = 32;     // bf16 elements of K per tile row (64 bytes)
 constexpr int64_t kGroupN = 32;    // output columns per group: two B tiles, read as one stream
 constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bf16 = 1 KiB
 constexpr int64_t kBlockM = 256;
+constexpr int64_t kPipelinedGroupBytes = 96 << 10;  // 33-64 decode rows: Pipelined up to this group size (quant_tiles)
 constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -435,8 +436,9 @@ struct Pipelined {
 // their tiles all of K: up to 32 rows, two A tiles against a K step's two B tiles; 33 to 64 (TALL),
 // four A tiles against one, the group's two 16-column halves in turn. Then the group's rows are
 // written out. Pipelined (above) keeps a whole group for the passes of more rows, its stores and tile
-// loads through L2: against it, SmolLM2's gate/up took 0.80-0.87x the time at 8 and 16 rows,
-// 0.81-0.90x at 48 and 64 (benchmarks/HISTORY.md, #41's seventh pass).
+// loads through L2: against it, SmolLM2's gate/up alone took 0.80-0.87x the time at 8 and 16 rows,
+// 0.81-0.90x at 48 and 64 (benchmarks/HISTORY.md, #41's seventh pass) — though in the engine's decode
+// steps Pipelined is the faster at 48 and 64 rows where groups are small (quant_tiles; twelfth pass).
 template <bool TALL, class DequantTile>
 void run_groups_in_l1(const uint16_t* x, int64_t x_stride, int64_t m, DequantTile& dequant_tile, int64_t kbs,
                       const float* bias, int64_t n, uint16_t* out, int64_t g0, int64_t g1, Epilogue kind) {
@@ -558,10 +560,13 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
       for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);
     };
     if (m <= kBlockM) {
-      // One M block (a decode step's rows): each thread takes a run of groups. Up to 64 rows, each
-      // group a K chunk at a time in L1 (run_groups_in_l1); more, each group's tiles made in the
-      // shadow of the tile multiplies of the group before (Pipelined).
-      if (m <= 4 * kTileRows) {
+      // One M block (a decode step's rows): each thread takes a run of groups. Up to 32 rows, and up
+      // to 64 where a group's tiles are more than kPipelinedGroupBytes, each group a K chunk at a time
+      // in L1 (run_groups_in_l1); otherwise each group's tiles made in the shadow of the tile
+      // multiplies of the group before (Pipelined). Engine decode steps of 48 and 64 sequences,
+      // alternated in one process: SmolLM2 (groups of 36 and 96 KiB) 4-5 % more tokens/s Pipelined,
+      // a Llama-3.2-1B shape (128 and 512 KiB) level, the Llama-3-8B shape (256 KiB and 896) 8 % fewer.
+      if (m <= 2 * kTileRows || (m <= 4 * kTileRows && group_elems * 2 > kPipelinedGroupBytes)) {
         at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
           if (m <= 2 * kTileRows)
             run_groups_in_l1<false>(ap, a_stride, m, dequant_tile_of, kbs, bp, n, op, g0, g1, kind);
