@@ -17,9 +17,10 @@
 // GGUF blocks (amx_quant_linear, for quant_gemm.cpp's quant_linear and quant_gate_up): a bf16 model's
 // rows past the decode rows, multiplied by tiles de-quantized a group of 32 columns at a time into
 // this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — for a decode step's
-// rows a K chunk at a time in L1 (up to 32 or 64 rows: run_groups_in_l1) or each thread's next group while
-// the last one multiplies (Pipelined), for prefill's a slab shared by the threads — and multiplied as
-// above, with amx_gate_up's epilogues for a gate/up weight packed in tile pairs.
+// rows a K chunk at a time in L1 (up to 32 rows, or 64 with large groups: run_groups_in_l1) or each
+// thread's next group while the last one multiplies (Pipelined), for prefill's a slab shared by the
+// threads — and multiplied as above, with amx_gate_up's epilogues for a gate/up weight packed in
+// tile pairs.
 //
 // The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
 // on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
