@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/quant.py                          # SmolLM2 Q4_1: 1 and 64 sequences, all engines
     .venv/bin/python benchmarks/quant.py --sequences 1 --rounds 3 # runs alternated, best and median
     .venv/bin/python benchmarks/quant.py --engines quant,bf16     # a subset
+    .venv/bin/python benchmarks/quant.py --engines quant-bf16,bf16 --sequences 64 --rounds 8 --one-process
     .venv/bin/python benchmarks/random_gguf.py --shape llama3-8b --out /tmp/llama3-8b-q4_k_m.gguf
     .venv/bin/python benchmarks/quant.py --model /tmp/llama3-8b-q4_k_m.gguf --engines quant-bf16,llama-server \
         --sequences 1,16 --prompt-len 64 --max-tokens 16 --kv-cache-memory 8GiB
 
 Each engine runs in its own process, one at a time (two OpenMP processes on 2 cores ruin each
-other's figures), on the same prompts: `--sequences` prompts of `--prompt-len` random token ids, each
-generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
+other's figures), or with `--one-process` our engines side by side in one process, run in turn round
+after round (a VM drifts by more between processes than between neighbouring runs); on the same
+prompts: `--sequences` prompts of `--prompt-len` random token ids, each generating `--max-tokens`
+greedy tokens (ignore_eos), all submitted at once; a short warm-up first.
   quant     ours, the GGUF's weights in their blocks (`quantization="auto"`: Q4_1 projections, Q8_0 head),
             fp32 activations (the default); the blocks are repacked at load into tiles of 16 columns
             (the same bytes: csrc/quant_packed.cpp) that decode multiplies in fp32, 16 or (AVX2) 8 at a time
@@ -24,7 +27,8 @@ generating `--max-tokens` greedy tokens (ignore_eos), all submitted at once; a s
             look; installed once under $KVTOP_CACHE/node-llama-cpp: `npm install node-llama-cpp@3.21.1`
             there), CPU, 2 threads, one sequence at a time
 Reported: output tokens per second of wall time (prompt processing included), best and median over
-`--rounds`, and the first engine's ratio to each other one (best to best); for ours, the last run's
+`--rounds`, and the first engine's ratio to each other one: best to best, and run by run (the median of
+each round's ratio, lowest and highest beside it); for ours, the last run's
 seconds and the part of them that went to prompt tokens (the engine's split: a step's time shared
 among its tokens). Only meaningful on a quiet machine (load < 1.5).
 """
@@ -57,10 +61,8 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n)]
 
 
-def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv: str | None) -> dict:
-    """In this process (the child): load, warm up, time one generate of every prompt."""
-    import resource
-
+def load_ours(name: str, model: str, n: int, kv: str | None):
+    """One of our engines, loaded and warmed up; with the seconds its load took."""
     from engine import LLM, SamplingParams
 
     dtype, quantization = OURS[name]
@@ -75,6 +77,15 @@ def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv
     )
     load_seconds = time.perf_counter() - t0
     llm.generate(prompts(2, 16), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return llm, load_seconds
+
+
+def time_ours(llm, n: int, prompt_len: int, max_tokens: int, load_seconds: float) -> dict:
+    """One timed generate of every prompt on a loaded engine."""
+    import resource
+
+    from engine import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     work = prompts(n, prompt_len)
     counters = llm.engine.metrics.counters
@@ -96,6 +107,18 @@ def run_ours(name: str, model: str, n: int, prompt_len: int, max_tokens: int, kv
         "load_seconds": load_seconds,
         "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def run_ours(names: list[str], args: argparse.Namespace, n: int) -> dict[str, list[dict]]:
+    """In this process (the child): load every engine named, then `--rounds` timed runs of each in turn
+    (one engine and one run unless --one-process)."""
+    loaded = {name: load_ours(name, args.model, n, args.kv_cache_memory) for name in names}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.rounds if args.one_process else 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            llm, load_seconds = loaded[name]
+            runs[name].append(time_ours(llm, n, args.prompt_len, args.max_tokens, load_seconds))
+    return runs
 
 
 def tensor_bytes(gguf: Path) -> int:
@@ -153,21 +176,33 @@ def run_llama_server(model: str, n: int, prompt_len: int, max_tokens: int) -> di
     return {"tokens": sum(map(len, answers)), "seconds": seconds, "weights": gguf.stat().st_size, "format": "GGUF file"}
 
 
-def child(engine: str, args: argparse.Namespace, n: int) -> dict | None:
-    """One engine's run in a fresh process (llama-server's: its own)."""
-    if engine == "llama-server":
-        return run_llama_server(args.model, n, args.prompt_len, args.max_tokens)
-    if engine == "llamacpp":
-        return run_llamacpp(args.model, n, args.prompt_len, args.max_tokens)
-    cmd = [sys.executable, __file__, "--child", engine, "--model", args.model, "--sequences", str(n)]
+def child(engines: list[str], args: argparse.Namespace, n: int) -> dict[str, list[dict]]:
+    """Runs in a fresh process: one engine's (llama-server's: its own), or with --one-process all of ours."""
+    if engines == ["llama-server"]:
+        result = run_llama_server(args.model, n, args.prompt_len, args.max_tokens)
+        return {"llama-server": [result] if result else []}
+    if engines == ["llamacpp"]:
+        result = run_llamacpp(args.model, n, args.prompt_len, args.max_tokens)
+        return {"llamacpp": [result] if result else []}
+    cmd = [sys.executable, __file__, "--child", ",".join(engines), "--model", args.model, "--sequences", str(n)]
     cmd += ["--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.one_process:
+        cmd += ["--one-process", "--rounds", str(args.rounds)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if proc.returncode != 0:
-        print(f"{engine}: failed\n{proc.stderr[-2000:]}")
-        return None
+        print(f"{','.join(engines)}: failed\n{proc.stderr[-2000:]}")
+        return {e: [] for e in engines}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def paired_ratios(first: list[float], other: list[float]) -> str:
+    """The first engine's rate over the other's, run by run (the runs taken in turn): median (lowest-highest)."""
+    ratios = [a / b for a, b in zip(first, other)]
+    if len(ratios) < 2:
+        return ""
+    return f"; run by run {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def main() -> None:
@@ -179,46 +214,61 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="runs of every engine, taken in turn")
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="our engines loaded side by side in one process and run in turn, so that each run's ratio "
+        "is taken between neighbours: the machine's drift between processes cancels (ours only)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = run_ours(args.child, args.model, int(args.sequences), args.prompt_len, args.max_tokens,
-                          args.kv_cache_memory)  # fmt: skip
-        print(json.dumps(result))
+        print(json.dumps(run_ours(args.child.split(","), args, int(args.sequences))))
         return
     engines = args.engines.split(",")
+    if unknown := [e for e in engines if e not in OURS and e not in ("llama-server", "llamacpp")]:
+        sys.exit(f"quant.py: unknown engine {unknown[0]!r} (ours: {', '.join(OURS)}; peers: llama-server, llamacpp)")
+    if args.one_process and (peers := [e for e in engines if e not in OURS]):
+        sys.exit(f"quant.py: --one-process runs our engines only, not {peers[0]}")
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
     tensors = tensor_bytes(gguf_path(args.model))
     print(f"model: {args.model}, its tensors {tensors / 2**20:.1f} MiB")
     for n in (int(s) for s in args.sequences.split(",")):
-        rates: dict[str, list[float]] = {e: [] for e in engines}
-        info: dict[str, dict] = {}
-        for r in range(args.rounds):
-            for engine in engines if r % 2 == 0 else engines[::-1]:
-                result = child(engine, args, n)
-                if result:
-                    rates[engine].append(result["tokens"] / result["seconds"])
-                    info[engine] = result
-        print(f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s:")
+        runs: dict[str, list[dict]] = {e: [] for e in engines}
+        if args.one_process:
+            runs = child(engines, args, n)
+        else:
+            for r in range(args.rounds):
+                for engine in engines if r % 2 == 0 else engines[::-1]:
+                    runs[engine] += child([engine], args, n)[engine]
+        rates = {e: [run["tokens"] / run["seconds"] for run in runs[e]] for e in engines}
+        info = {e: runs[e][-1] for e in engines if runs[e]}
+        where = "one process, in turn" if args.one_process else "a process a run"
+        print(
+            f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s ({where}):"
+        )
         first = engines[0]  # the ratios: the first engine named against each other one, best against best
         base = max(rates[first] or [0.0]) or None
         for engine in engines:
             if not rates[engine]:
                 continue
             best, median = max(rates[engine]), statistics.median(rates[engine])
-            ratio = f"{first} / {engine} = {base / best:.2f}x" if base and engine != first else ""
+            ratio = ""
+            if base and engine != first:
+                ratio = f"{first} / {engine} = {base / best:.2f}x" + paired_ratios(rates[first], rates[engine])
             weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
             if copy := info[engine].get("prefill_copy"):
                 weights += f" + {copy / 2**20:.1f} MiB prefill copy"
             print(f"  {engine:12s} best {best:8.2f}  median {median:8.2f}   weights {weights:58s} {ratio}")
             if "kv" in info[engine]:
                 i = info[engine]
+                shared = " (the process's: every engine)" if args.one_process else ""
                 held = i["weights"] + i.get("prefill_copy", 0)
                 print(f"               weights {held / tensors:.3f}x the file's tensor bytes, KV "
                       f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
-                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB; last run {i['seconds']:.2f} s, "
+                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB{shared}; last run {i['seconds']:.2f} s, "
                       f"{i['prefill_seconds']:.2f} of them prefill")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
