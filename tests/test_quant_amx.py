@@ -24,8 +24,18 @@ GEMV_ROWS = gemv_rows() if kernel_available() else 4
 # (rows, N, K): just past the decode rows, a partial 16-row tile, two 256-row blocks and a short one;
 # N not a multiple of 32 (a group padded with zero columns); K an odd number of 32-blocks (256-blocks
 # for Q4_K and Q6_K: whole_blocks). 33 to 64 rows take a group at a time in the shadow of the group
-# before where groups are small (K = 160), a K chunk at a time in L1 where they are large (K = 1,792)
-SHAPES = [(GEMV_ROWS + 1, 7, 32), (17, 50, 96), (33, 97, 160), (40, 48, 1792), (300, 193, 576), (600, 40, 1536)]
+# before where groups are small (K = 160), a K chunk at a time in L1 where they are large (K = 1,792);
+# prefill's rows each thread its own where they fit its L2 (300 and 600 rows), slabs shared by the
+# threads where not (700 x 4,096: 2.8 MB of rows a thread on 2 threads, 1.4 on 4)
+SHAPES = [
+    (GEMV_ROWS + 1, 7, 32),
+    (17, 50, 96),
+    (33, 97, 160),
+    (40, 48, 1792),
+    (300, 193, 576),
+    (600, 40, 1536),
+    (700, 40, 4096),
+]
 
 
 @needs_amx

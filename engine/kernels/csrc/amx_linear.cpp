@@ -18,9 +18,9 @@
 // rows past the decode rows, multiplied by tiles de-quantized a group of 32 columns at a time into
 // this same layout (csrc/quant_blocks.h and quant_packed.h read the blocks) — for a decode step's
 // rows a K chunk at a time in L1 (up to 32 rows, or 64 with large groups: run_groups_in_l1) or each
-// thread's next group while the last one multiplies (Pipelined), for prefill's a slab shared by the
-// threads — and multiplied as above, with amx_gate_up's epilogues for a gate/up weight packed in
-// tile pairs.
+// thread's next group while the last one multiplies (Pipelined); for prefill's the same Pipelined
+// groups against each thread's own rows where those fit its L2, else a slab shared by the threads —
+// and multiplied as above, with amx_gate_up's epilogues for a gate/up weight packed in tile pairs.
 //
 // The AMX code is compiled only where the build's target has AMX-BF16 and AVX512-BF16 (-march=native
 // on such a CPU); elsewhere (an AVX2 machine, KVTOP_CPU_ARCH=x86-64-v3) only the ops' shells are
@@ -62,6 +62,9 @@ constexpr int64_t kGroupN = 32;    // output columns per group: two B tiles, rea
 constexpr int64_t kTileElems = kTileRows * kTileK;  // 512 bf16 = 1 KiB
 constexpr int64_t kBlockM = 256;
 constexpr int64_t kPipelinedGroupBytes = 96 << 10;  // 33-64 decode rows: Pipelined up to this group size (quant_tiles)
+// Prefill rows of GGUF blocks: each thread its own rows, Pipelined, where they take at most this much
+// of its L2 (every AMX core has 2 MiB); slabs shared by the threads past it (quant_tiles)
+constexpr int64_t kRowsInL2Bytes = 1280 << 10;
 constexpr int64_t kPrefetchTiles = 8;  // 16 KiB ahead: 2 and 4 measured slower (M=16: 8.1 and 9.9 ms vs 7.7 for SmolLM2's linears)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -560,6 +563,15 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
     auto dequant = [&](int64_t g, uint16_t* group_tiles) {
       for (int64_t u = 0; u < 2 * kbs; ++u) dequant_tile_of(g, u % 2, u / 2, group_tiles + u * kTileElems);
     };
+    // Rows [r0, r1) against groups [g0, g1) on the calling thread, each group's tiles made in the shadow
+    // of the tile multiplies of the group before, in the thread's own two buffers.
+    auto pipelined = [&](int64_t r0, int64_t r1, int64_t g0, int64_t g1) {
+      thread_local kvtop::AlignedVector<uint16_t> pair;
+      pair.resize(2 * group_elems);
+      Pipelined<decltype(dequant_tile_of)> source{dequant_tile_of, {pair.data(), pair.data() + group_elems}, g1, kbs};
+      source.make(g0, 0, 2 * kbs);
+      run_groups(ap, a_stride, r0, r1, source, kbs, bp, n, op, g0, g1, kind);
+    };
     if (m <= kBlockM) {
       // One M block (a decode step's rows): each thread takes a run of groups. Up to 32 rows, and up
       // to 64 where a group's tiles are more than kPipelinedGroupBytes, each group a K chunk at a time
@@ -576,20 +588,32 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
         });
         return;
       }
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        thread_local kvtop::AlignedVector<uint16_t> pair;
-        pair.resize(2 * group_elems);
-        Pipelined<decltype(dequant_tile_of)> source{dequant_tile_of, {pair.data(), pair.data() + group_elems}, g1, kbs};
-        source.make(g0, 0, 2 * kbs);
-        run_groups(ap, a_stride, 0, m, source, kbs, bp, n, op, g0, g1, kind);
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { pipelined(0, m, g0, g1); });
+      return;
+    }
+    // Many rows (prefill). Where a thread's share of the rows fits in its L2 (kRowsInL2Bytes), each
+    // thread takes its own rows against every group, Pipelined as decode rows are: every thread makes
+    // every tile (twice the de-quantization of slabs, below), but no tile crosses between cores and none
+    // leaves L2. The engine alternated in one process: SmolLM2 prefill 64 x 256 prompts (2,048-row
+    // steps) 0.96x the time of slabs, 4 x 256 0.96x, one 600-token prompt 0.90x; a Llama-3.2-1B shape
+    // 0.91x (one 600-token prompt) and 0.89x (4 x 128) — there, then, faster than the bf16 weights.
+    // Slabs lost most where calls of other shapes came between (an engine's layers do): SmolLM2's
+    // gate/up alone at 2,048 rows 1.05x amx_linear's time called layer after layer, 1.17x with the
+    // layers' other projections between (benchmarks/HISTORY.md, #41's thirteenth pass).
+    const int64_t threads = at::get_num_threads();
+    const int64_t rows_per_thread = round_up((m + threads - 1) / threads, 2 * kTileRows);
+    if (rows_per_thread * a_stride * 2 <= kRowsInL2Bytes) {
+      at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)  // one t a thread, or all of them on one in a nested region
+          if (t * rows_per_thread < m) pipelined(t * rows_per_thread, std::min(m, (t + 1) * rows_per_thread), 0, groups);
       });
       return;
     }
-    // Many rows (prefill): the threads de-quantize a slab of groups (~4 MiB of tiles) together, then
-    // multiply it as amx_linear multiplies a weight, tasks M-block major, so that each thread's rows
-    // stay in L2 while the slab's tiles stream past. Runs per thread (above) read every row once per
-    // run: SmolLM2's linears at 2,048 rows took 1.17-1.20x amx_linear's time on the weights in bf16,
-    // slabs 1.04-1.08x (the de-quantization, once per call).
+    // Otherwise the threads de-quantize a slab of groups (~4 MiB of tiles) together, then multiply it
+    // as amx_linear multiplies a weight, tasks M-block major, so that each thread's rows stay in L2
+    // while the slab's tiles stream past. Runs of groups per thread over all the rows (as decode's)
+    // read every row once per run: SmolLM2's linears at 2,048 rows took 1.17-1.20x amx_linear's time on
+    // the weights in bf16, slabs 1.04-1.08x (the de-quantization, once per call).
     const int64_t slab = std::max<int64_t>(1, (4 << 20) / (group_elems * 2)), blocks = (m + kBlockM - 1) / kBlockM;
     slab_buffer.resize(std::min(slab, groups) * group_elems);
     uint16_t* const tiles = slab_buffer.data();  // (a worker naming `slab_buffer` would get its own)
