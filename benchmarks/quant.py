@@ -205,6 +205,47 @@ def paired_ratios(first: list[float], other: list[float]) -> str:
     return f"; run by run {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
+def collect(engines: list[str], args: argparse.Namespace, n: int) -> dict[str, list[dict]]:
+    """Every engine's `--rounds` runs at n sequences: a process a run, taken in turn, or --one-process's one."""
+    if args.one_process:
+        return child(engines, args, n)
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for engine in engines if r % 2 == 0 else engines[::-1]:
+            runs[engine] += child([engine], args, n)[engine]
+    return runs
+
+
+def report(n: int, runs: dict[str, list[dict]], args: argparse.Namespace, tensors: int) -> None:
+    """The table of one sequence count: tok/s best and median, weights held, the first engine's ratios."""
+    engines = list(runs)
+    rates = {e: [run["tokens"] / run["seconds"] for run in runs[e]] for e in engines}
+    info = {e: runs[e][-1] for e in engines if runs[e]}
+    where = "one process, in turn" if args.one_process else "a process a run"
+    print(f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s ({where}):")
+    first = engines[0]  # the ratios: the first engine named against each other one, best against best
+    base = max(rates[first] or [0.0]) or None
+    for engine in engines:
+        if not rates[engine]:
+            continue
+        best, median = max(rates[engine]), statistics.median(rates[engine])
+        ratio = ""
+        if base and engine != first:
+            ratio = f"{first} / {engine} = {base / best:.2f}x" + paired_ratios(rates[first], rates[engine])
+        weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
+        if copy := info[engine].get("prefill_copy"):
+            weights += f" + {copy / 2**20:.1f} MiB prefill copy"
+        print(f"  {engine:12s} best {best:8.2f}  median {median:8.2f}   weights {weights:58s} {ratio}")
+        if "kv" in info[engine]:
+            i = info[engine]
+            shared = " (the process's: every engine)" if args.one_process else ""
+            held = i["weights"] + i.get("prefill_copy", 0)
+            print(f"               weights {held / tensors:.3f}x the file's tensor bytes, KV "
+                  f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
+                  f"peak resident {i['max_rss'] / 2**30:.2f} GiB{shared}; last run {i['seconds']:.2f} s, "
+                  f"{i['prefill_seconds']:.2f} of them prefill")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="quant-bf16,quant,bf16,fp32,llama-server,llamacpp")
@@ -236,40 +277,7 @@ def main() -> None:
     tensors = tensor_bytes(gguf_path(args.model))
     print(f"model: {args.model}, its tensors {tensors / 2**20:.1f} MiB")
     for n in (int(s) for s in args.sequences.split(",")):
-        runs: dict[str, list[dict]] = {e: [] for e in engines}
-        if args.one_process:
-            runs = child(engines, args, n)
-        else:
-            for r in range(args.rounds):
-                for engine in engines if r % 2 == 0 else engines[::-1]:
-                    runs[engine] += child([engine], args, n)[engine]
-        rates = {e: [run["tokens"] / run["seconds"] for run in runs[e]] for e in engines}
-        info = {e: runs[e][-1] for e in engines if runs[e]}
-        where = "one process, in turn" if args.one_process else "a process a run"
-        print(
-            f"\n{n} sequence(s) x {args.prompt_len}-token prompt -> {args.max_tokens} tokens, output tok/s ({where}):"
-        )
-        first = engines[0]  # the ratios: the first engine named against each other one, best against best
-        base = max(rates[first] or [0.0]) or None
-        for engine in engines:
-            if not rates[engine]:
-                continue
-            best, median = max(rates[engine]), statistics.median(rates[engine])
-            ratio = ""
-            if base and engine != first:
-                ratio = f"{first} / {engine} = {base / best:.2f}x" + paired_ratios(rates[first], rates[engine])
-            weights = f"{info[engine]['weights'] / 2**20:.1f} MiB {info[engine]['format']}"
-            if copy := info[engine].get("prefill_copy"):
-                weights += f" + {copy / 2**20:.1f} MiB prefill copy"
-            print(f"  {engine:12s} best {best:8.2f}  median {median:8.2f}   weights {weights:58s} {ratio}")
-            if "kv" in info[engine]:
-                i = info[engine]
-                shared = " (the process's: every engine)" if args.one_process else ""
-                held = i["weights"] + i.get("prefill_copy", 0)
-                print(f"               weights {held / tensors:.3f}x the file's tensor bytes, KV "
-                      f"{i['kv'] / 2**30:.2f} GiB, loaded in {i['load_seconds']:.1f} s, "
-                      f"peak resident {i['max_rss'] / 2**30:.2f} GiB{shared}; last run {i['seconds']:.2f} s, "
-                      f"{i['prefill_seconds']:.2f} of them prefill")  # fmt: skip
+        report(n, collect(engines, args, n), args, tensors)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

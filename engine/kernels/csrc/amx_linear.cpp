@@ -596,7 +596,8 @@ at::Tensor quant_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
     // every tile (twice the de-quantization of slabs, below), but no tile crosses between cores and none
     // leaves L2. The engine alternated in one process: SmolLM2 prefill 64 x 256 prompts (2,048-row
     // steps) 0.96x the time of slabs, 4 x 256 0.96x, one 600-token prompt 0.90x; a Llama-3.2-1B shape
-    // 0.91x (one 600-token prompt) and 0.89x (4 x 128) — there, then, faster than the bf16 weights.
+    // 0.91x (one 600-token prompt) and 0.89x (4 x 128). One 600-token prompt now takes less time than
+    // on the bf16 weights, in both models.
     // Slabs lost most where calls of other shapes came between (an engine's layers do): SmolLM2's
     // gate/up alone at 2,048 rows 1.05x amx_linear's time called layer after layer, 1.17x with the
     // layers' other projections between (benchmarks/HISTORY.md, #41's thirteenth pass).
