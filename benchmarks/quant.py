@@ -114,11 +114,16 @@ def run_ours(names: list[str], args: argparse.Namespace, n: int) -> dict[str, li
     (one engine and one run unless --one-process)."""
     loaded = {name: load_ours(name, args.model, n, args.kv_cache_memory) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for r in range(args.rounds if args.one_process else 1):
-        for name in names if r % 2 == 0 else names[::-1]:
-            llm, load_seconds = loaded[name]
-            runs[name].append(time_ours(llm, n, args.prompt_len, args.max_tokens, load_seconds))
+    for name in in_turn(names, args.rounds):  # the parent passes --rounds with --one-process only
+        llm, load_seconds = loaded[name]
+        runs[name].append(time_ours(llm, n, args.prompt_len, args.max_tokens, load_seconds))
     return runs
+
+
+def in_turn(names: list[str], rounds: int):
+    """The names round after round, every other round backwards (A B, B A, ...): drift falls on both alike."""
+    for r in range(rounds):
+        yield from names if r % 2 == 0 else names[::-1]
 
 
 def tensor_bytes(gguf: Path) -> int:
@@ -210,9 +215,8 @@ def collect(engines: list[str], args: argparse.Namespace, n: int) -> dict[str, l
     if args.one_process:
         return child(engines, args, n)
     runs: dict[str, list[dict]] = {e: [] for e in engines}
-    for r in range(args.rounds):
-        for engine in engines if r % 2 == 0 else engines[::-1]:
-            runs[engine] += child([engine], args, n)[engine]
+    for engine in in_turn(engines, args.rounds):
+        runs[engine] += child([engine], args, n)[engine]
     return runs
 
 
