@@ -206,8 +206,9 @@ def test_the_avx2_build_matches_the_reference_too(tmp_path):
         "tests/test_bf16_panels.py",
         # nor the bf16 prefill attention on bf16 pairs: the op refuses, the backend's other routes serve
         "tests/test_bf16_attention.py::test_placement",
-        # nor AMX: the quantized layers' bf16 rows stay on the fp32 kernels, amx_quant_linear refuses
-        "tests/test_quant_amx.py::test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kernel",
+        # nor AMX nor the bf16 panels: the quantized layers' bf16 rows stay on the fp32 kernels, both ops refuse
+        "tests/test_quant_amx.py::test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_another_kernel",
+        "tests/test_quant_bf16_panels.py::test_without_avx512_bf16_the_op_refuses_in_one_line",
         # the packed GGUF blocks' 8-lane kernels (csrc/quant_packed_avx2.h); no gate/up tile pairs
         *(
             f"tests/test_quant_packed.py::test_{name}"

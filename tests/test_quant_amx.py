@@ -2,7 +2,8 @@
 multiplied on AMX tiles de-quantized a group of 32 columns at a time — the tiles the de-quantized
 weight in bf16 would be packed into, so the results are amx_linear's on that weight bit for bit —
 while a decode's few rows keep the blocks' exact values (quant_gemv). Without AMX the op refuses
-in one line and QuantLinear keeps its fp32 kernels (the AVX2 build's run of this file checks that)."""
+in one line and QuantLinear's bf16 rows take the bf16 panels (AVX512-BF16: test_quant_bf16_panels)
+or its fp32 kernels (the AVX2 build's run of this file checks that)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.test_quant_linear import chat_prompts, greedy_tokens, random_blocks, 
 
 AMX = kernel_available() and cpu.load() and torch.ops.kvtop_cpu.amx_supported()
 needs_amx = pytest.mark.skipif(
-    not AMX, reason="no AMX here: test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kernel runs"
+    not AMX, reason="no AMX here: test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_another_kernel runs"
 )
 GEMV_ROWS = gemv_rows() if kernel_available() else 4
 
@@ -65,14 +66,20 @@ def test_a_decodes_few_bf16_rows_keep_the_blocks_exact_values(fmt):
 
 
 @pytest.mark.skipif(not kernel_available() or AMX, reason="AMX here: the op runs (the tests above)")
-def test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_the_fp32_kernel():
+def test_without_amx_the_op_refuses_in_one_line_and_bf16_rows_take_another_kernel():
+    """The layer's bf16 rows go to the bf16 panels where the build has AVX512-BF16
+    (test_quant_bf16_panels), else to the fp32 kernel."""
     fmt = KERNEL_FORMATS[0]
     n, k = 40, whole_blocks(fmt, 64)
     layer = QuantLinear(random_blocks(fmt, n, k, seed=1), fmt, k)
     x = torch.randn(GEMV_ROWS + 3, k).bfloat16()
     with pytest.raises(RuntimeError, match="amx_quant_linear: this CPU or kernel does not allow AMX"):
         torch.ops.kvtop_cpu.amx_quant_linear(x, layer.blocks, int(fmt), n, None)
-    assert torch.equal(layer(x), layer(x.float()).bfloat16())
+    if cpu.says("quant_bf16_panels_supported"):
+        expected = torch.ops.kvtop_cpu.quant_bf16_gemm(x, layer.blocks, int(fmt), n, None)
+    else:
+        expected = layer(x.float()).bfloat16()
+    assert torch.equal(layer(x), expected)
 
 
 @pytest.mark.slow

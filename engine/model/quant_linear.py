@@ -13,8 +13,9 @@ All of them are repacked at load (`pack_for_decode`: the same bytes, tiles of 16
 csrc/quant_packed.cpp): one to four rows multiply 16 columns a register as
 int16 (AVX-512 with BF16 and VNNI; 8 columns with AVX2, csrc/quant_packed_avx2.h) — each block of 32
 activations rounded to 16 bits of its range, the products summed exactly in int32, each block's
-scale applied once per tile; more rows read AMX tiles or fp32 panels straight out of the tiles, no
-transpose. The file layout's kernels above run where packing is switched off (`KVTOP_QUANT_PACK=0`)
+scale applied once per tile; more rows read AMX tiles, bf16 panels (AVX512-BF16 without AMX: the
+bf16 model's weights, multiplied as its panels multiply them) or fp32 panels straight out of the
+tiles, no transpose. The file layout's kernels above run where packing is switched off (`KVTOP_QUANT_PACK=0`)
 or a weight's N is not a multiple of 16. (Q5_0 is what llama.cpp's Q4_K_M writes for rows that are not
 a multiple of 256, SmolLM2's 576; Q5_1 Q5_K_M's, likewise; Q5_K is most of a Q5_K_M file.)
 

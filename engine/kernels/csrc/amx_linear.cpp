@@ -375,10 +375,7 @@ void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t g, int64_t h, int
 }
 
 // Tile (kb, h) of group g, as dequant_tile makes it, from a weight packed for decode (quant_packed.h):
-// a packed tile's 16 columns are half a group. B-tile row r holds the 16 columns' elements 2r and
-// 2r + 1: for the Q4, Q5 and K formats the values quant_packed.cpp's kernel reads, scaled as the
-// reference does (packed_weight), rounded to bf16 and interleaved in pairs; for Q8_0 the packed row r
-// itself, times d. No transpose.
+// a packed tile's 16 columns are half a group, its sub-block kb's pairs (bf16_pairs) the B tile.
 template <int64_t F>
 void dequant_packed_tile(const uint8_t* w, int64_t g, int64_t h, int64_t kb, int64_t kbs, int64_t n, uint16_t* tile) {
   const int64_t t = 2 * g + h;
@@ -386,31 +383,7 @@ void dequant_packed_tile(const uint8_t* w, int64_t g, int64_t h, int64_t kb, int
     std::memset(tile, 0, kTileElems * 2);
     return;
   }
-  const kvtop_packed::Sub sub = kvtop_packed::packed_sub<F>(w, t, kb, kbs);
-  kvtop_packed::prefetch_block<F>(sub.values);
-  if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
-    __m512 d0, d1;
-    kvtop_packed::column_pairs(sub.d, d0, d1);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      __m512 q0, q1;
-      kvtop_packed::q8_row(sub.values, r, q0, q1);
-      _mm512_storeu_si512(tile + r * kTileK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                                 _mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
-    }
-  } else {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
-    // unrolled, so that each row's shifts and offsets are constants: the loop as written was front-end
-    // bound (~35 instructions a row, 0.35 cycles a weight on the Xeon; 0.2 unrolled)
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512 even = kvtop_packed::packed_weight<F>(sub, 2 * r);
-      const __m512 odd = kvtop_packed::packed_weight<F>(sub, 2 * r + 1);
-      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
-      _mm512_storeu_si512(tile + r * kTileK, _mm512_permutexvar_epi16(interleave, halves));
-    }
-  }
+  kvtop_packed::bf16_pairs<F>(w, t, kb, kbs, tile, kTileK);
 }
 
 // Group g + 1's tiles de-quantized while group g multiplies (quant_tiles' decode rows): two buffers of

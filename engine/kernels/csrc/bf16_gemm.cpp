@@ -28,110 +28,12 @@
 #include <cstdint>
 #include <optional>
 
+#include "bf16_panel.h"  // the register blocks and work item, shared with quant_gemm.cpp
 #include "panel_gemm.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define KVTOP_BF16_GEMM 1
-#include <immintrin.h>
-
-#include <cstring>
-
-#include "bf16_simd.h"
-#endif
 
 namespace {
 
-constexpr int64_t kNR = kvtop_panels::kPanel;  // output columns per panel: three vectors of 16 fp32 accumulators
-
-#ifdef KVTOP_BF16_GEMM
-constexpr int64_t kMR = 8;    // rows per register block: 24 accumulators, 3 panel vectors, a broadcast
-// K per pass: up to 1,536 (a panel's slice of 144 KiB, read from L2), as csrc/fp32_gemm.cpp's kKC and
-// for its reasons. SmolLM2's four projections, 30 layers, Zen 5, alternated in one process, against 256
-// (24 KiB, in L1): 2,048 rows 482.6 -> 462.7 ms, 64 rows 15.9 -> 15.1 ms; outputs bit for bit the same.
-constexpr int64_t kKC = 1536;
-constexpr int64_t kMC = 64;   // rows per work item
-
-// out[0..MR) x [0..48) = in (or the bias, or zero, where in is null) + a[0..MR) x [0, kc) . b, fp32.
-// a: bf16 rows (stride lda elements), read as 32-bit pairs; b: the panel's slice, kc/2 rows of 48
-// pairs. `in`/`out`: the item's fp32 buffer (row stride 48). On the last pass `y` (bf16, row stride
-// ldy) takes the rounded result instead of `out`, when `y` is set.
-template <int MR>
-void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, const float* in, const float* bias,
-           float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines) {
-  __m512 acc[MR][3];
-  for (int v = 0; v < 3; ++v) {
-    const __m512 init = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) acc[m][v] = in ? _mm512_loadu_ps(in + m * kNR + 16 * v) : init;
-  }
-  const int64_t pairs = kc / 2, per = (pf_lines + pairs - 1) / std::max<int64_t>(pairs, 1);
-  for (int64_t kk = 0; kk < pairs; ++kk) {
-    for (int64_t j = kk * per; j < std::min(pf_lines, (kk + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
-    const uint16_t* bk = b + kk * 2 * kNR;
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 32));
-    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 64));
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a + m * lda + 2 * kk, sizeof(pair));
-      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], av, b0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], av, b1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], av, b2);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < 3; ++v) {
-      if (y)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + 16 * v), kvtop_simd::bf16_pack(acc[m][v]));
-      else
-        _mm512_storeu_ps(out + m * kNR + 16 * v, acc[m][v]);
-    }
-}
-
-template <int MR>
-void block_or_smaller(int64_t mr, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, const float* in,
-                      const float* bias, float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return block_or_smaller<MR - 1>(mr, a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
-  }
-  block<MR>(a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
-}
-
-// One work item: rows [m0, m1) of x against panel p, all of K (fp32_gemm.cpp's panel_item). A short
-// last panel's rows end in the fp32 buffer; their valid columns are rounded into y from there.
-void panel_item(const uint16_t* x, int64_t m0, int64_t m1, int64_t k, const uint16_t* panel, int64_t n0, int64_t n,
-                const float* bias, uint16_t* y, const uint16_t* next) {
-  alignas(64) float buf[kMC * kNR];
-  alignas(64) float padded_bias[kNR] = {};
-  const int64_t cols = std::min(kNR, n - n0);
-  const bool whole = cols == kNR;
-  if (bias) std::memcpy(padded_bias, bias + n0, cols * sizeof(float));
-  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
-    const int64_t kc = std::min(kKC, k - k0);
-    const bool to_y = k0 + kc >= k && whole;
-    // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks
-    const int64_t blocks = (m1 - m0 + kMR - 1) / kMR, lines = next ? kc * kNR * 2 / 64 : 0;
-    const int64_t share = (lines + blocks - 1) / blocks;
-    for (int64_t m = m0; m < m1; m += kMR) {
-      const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
-      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
-      float* slot = buf + (m - m0) * kNR;
-      block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
-                            (k0 == 0 && bias) ? padded_bias : nullptr, slot, to_y ? y + m * n + n0 : nullptr, n, pf,
-                            std::min(share, lines - first_line));
-    }
-  }
-  if (!whole) {
-    alignas(64) uint16_t row[kNR];
-    for (int64_t r = m0; r < m1; ++r) {
-      for (int v = 0; v < 3; ++v)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * v),
-                           kvtop_simd::bf16_pack(_mm512_load_ps(buf + (r - m0) * kNR + 16 * v)));
-      std::memcpy(y + r * n + n0, row, cols * sizeof(uint16_t));
-    }
-  }
-}
-#endif
+constexpr int64_t kNR = kvtop_bf16::kNR;
 
 bool bf16_linear_supported() {
 #ifdef KVTOP_BF16_GEMM
@@ -164,9 +66,9 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const std::o
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t panels = packed.size(0);
-  kvtop_panels::for_each_item(m, panels, kMC, [&](int64_t m0, int64_t m1, int64_t p) {
+  kvtop_panels::for_each_item(m, panels, kvtop_bf16::kMC, [&](int64_t m0, int64_t m1, int64_t p) {
     const uint16_t* next = p + 1 < panels ? wp + (p + 1) * k * kNR : nullptr;
-    panel_item(xp, m0, m1, k, wp + p * k * kNR, p * kNR, n, bp, yp, next);
+    kvtop_bf16::panel_item(xp, m0, m1, k, wp + p * k * kNR, p * kNR, n, bp, yp, next);
   });
 #endif
   return out;

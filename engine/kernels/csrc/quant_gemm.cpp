@@ -31,7 +31,10 @@
 //   into up to 256 rows with fp32_gemm's register blocks (csrc/fp32_panel.h): the de-quantization is
 //   paid once for all those rows, and the fp32 panel lives in the cache, never in memory as a copy.
 //
-// bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear).
+// bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear),
+// else to quant_bf16_gemm where it has AVX512-BF16 (AMD Zen 4 and later): quant_gemm's panels de-quantized
+// into bf16 pairs and multiplied with bf16_gemm's VDPBF16PS blocks (csrc/bf16_panel.h), bit for bit a
+// bf16 model's panels; else to quant_gemm in fp32.
 // Elsewhere (no AVX2 + FMA + F16C) `quant_linear_supported()` is false and quant_linear.py
 // de-quantizes with the reference instead. No AVX-512 path for fp32 rows: an AVX-512 gemv (16-lane
 // blocks, 4 columns a tile) measured no faster than this AVX2 one — its port-0/5 work per weight
@@ -57,6 +60,7 @@
 // Explicit mul then add where the reference does (d * q + m): no contraction into an fma, so the
 // panels hold exactly the reference's values.
 #pragma GCC optimize("fp-contract=off")
+#include "bf16_panel.h"  // bf16_gemm's register blocks, which multiply a de-quantized bf16 panel
 #include "fp32_panel.h"  // fp32_gemm's register blocks, which multiply a de-quantized panel
 #include "quant_blocks.h"  // the formats' blocks in registers (KVTOP_QUANT_GEMM where AVX2, FMA and F16C)
 
@@ -73,6 +77,7 @@ bool supported();
 bool gate_up_supported();
 bool gemv_takes(const at::Tensor& x);
 void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, int64_t width, float* out);
+void dequant_bf16_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, uint16_t* out);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
 at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu);
@@ -283,28 +288,109 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t for
   return out;
 }
 
+#ifdef KVTOP_BF16_GEMM
+// An fp32 panel [K, 48] (dequant_panel) as a bf16 one [K/2, 48, 2]: pair row i holds rows 2i and 2i + 1
+// interleaved, column c's at 2c and 2c + 1, rounded to nearest even (quant_packed.h's bf16_pairs, for
+// weights in the file's layout).
+void bf16_pairs_of(const float* panel, int64_t k, uint16_t* out) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
+  for (int64_t i = 0; i < k / 2; ++i)
+    for (int64_t v = 0; v < kNR / 16; ++v) {
+      const __m512 even = _mm512_loadu_ps(panel + 2 * i * kNR + 16 * v);
+      const __m512 odd = _mm512_loadu_ps(panel + (2 * i + 1) * kNR + 16 * v);
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+      _mm512_storeu_si512(out + i * 2 * kNR + 32 * v, _mm512_permutexvar_epi16(interleave, halves));
+    }
+}
+#endif
+
+// x [M, K] bf16 @ W^T (+ bias) -> [M, N] bf16 on AVX512-BF16 without AMX (AMD Zen 4 and later):
+// quant_gemm's work items with bf16_gemm's blocks. An item de-quantizes one panel of 48 columns into
+// a thread's [K/2, 48, 2] bf16 buffer — the reference's values rounded to bf16, exactly the bf16
+// model's weight; from the tiles of a packed weight (format = its ggml type + kPackedFormat:
+// quant_packed.cpp's dequant_bf16_panel), else through an fp32 panel — and multiplies it into up to
+// kItemRows rows with VDPBF16PS (csrc/bf16_panel.h), each output one fixed sequence of operations:
+// bit for bit what bf16_gemm gives on the de-quantized weight, at twice the fp32 panels' multiplies a
+// cycle.
+at::Tensor quant_bf16_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && !x.is_cuda() && x.dim() == 2, "quant_bf16_gemm: x must be a bfloat16 [M, K]");
+  const bool packed = format >= kPackedFormat;
+  if (packed) format -= kPackedFormat;
+  const int64_t k = x.size(1), m = x.size(0);
+  const int64_t bytes = check_blocks(blocks, format, n, k, "quant_bf16_gemm");
+  const std::optional<at::Tensor> bias32 =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  TORCH_CHECK(!bias32.has_value() || (bias32->dim() == 1 && bias32->size(0) == n), "quant_bf16_gemm: bias must be [N]");
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(KVTOP_BF16_GEMM) && defined(KVTOP_QUANT_GEMM)
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* bp = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  by_format(format, [&](auto f) {
+    kvtop_panels::for_each_item(m, (n + kNR - 1) / kNR, kItemRows, [&](int64_t m0, int64_t m1, int64_t p) {
+      thread_local kvtop::AlignedVector<uint16_t> panel;
+      panel.resize(k * kNR);
+      if (packed) {
+        kvtop_packed::dequant_bf16_panel(wp, format, p, n, k, panel.data());
+      } else {
+        thread_local kvtop::AlignedVector<float> fp32_panel;
+        fp32_panel.resize(k * kNR);
+        dequant_panel<decltype(f)::value>(wp, bytes, p, n, k, fp32_panel.data());
+        bf16_pairs_of(fp32_panel.data(), k, panel.data());
+      }
+      for (int64_t r = m0; r < m1; r += kvtop_bf16::kMC)
+        kvtop_bf16::panel_item(xp, r, std::min(m1, r + kvtop_bf16::kMC), k, panel.data(), p * kNR, n, bp, yp, nullptr);
+    });
+  });
+#else
+  (void)bytes;
+  TORCH_CHECK(false, "quant_bf16_gemm: this build has no AVX512-BF16");
+#endif
+  return out;
+}
+
 // Up to this many rows quant_linear de-quantizes in the registers (quant_gemv, which de-quantizes each
 // block again for every kRows rows); above, a panel at a time into a buffer (quant_gemm).
 constexpr int64_t kGemvRows = 4;
 
+// Whether bf16 rows past the decode rows run on bf16 panels (quant_bf16_gemm) where there is no AMX:
+// the build has AVX512-BF16.
+bool bf16_panels_supported() {
+#if defined(KVTOP_BF16_GEMM) && defined(KVTOP_QUANT_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The layer's op (engine/model/quant_linear.py's QuantLinear, and decode_layers' quantized kind):
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, computed in fp32 by quant_gemv or quant_gemm;
-// bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear:
-// the weights rounded to bf16 as a bf16 model's are, its products bit for bit). A packed weight
-// (format = its ggml type + kPackedFormat, quant_packed.cpp) runs decode rows there, more bf16 rows on
-// AMX's tiles read from it, and anything else on quant_gemm's panels read from it.
+// bf16 rows past quant_gemv's count go to AMX where the CPU has it (amx_linear.cpp's amx_quant_linear),
+// else to the bf16 panels where it has AVX512-BF16 (quant_bf16_gemm) — both with the weights rounded
+// to bf16 as a bf16 model's are, its products bit for bit. A packed weight (format = its ggml type +
+// kPackedFormat, quant_packed.cpp) runs decode rows there, more bf16 rows on AMX's tiles or the bf16
+// panels read from it, and anything else on quant_gemm's panels read from it.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t n,
                         const std::optional<at::Tensor>& bias) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
+  static const bool bf16_panels = bf16_panels_supported();
   if (format >= kPackedFormat) {
     const int64_t file_format = format - kPackedFormat;
     if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x))
       return kvtop_packed::gemv(x, blocks, file_format, n, bias);
     if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
+    if (bf16_panels && x.scalar_type() == at::kBFloat16) return quant_bf16_gemm(x, blocks, format, n, bias);
     return quant_gemm(x.to(at::kFloat), blocks, format, n, bias).to(x.scalar_type());
   }
   if (tiles && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
     return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
+  if (bf16_panels && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
+    return quant_bf16_gemm(x, blocks, format, n, bias);
   const at::Tensor x32 = x.to(at::kFloat);
   const at::Tensor y = x32.size(0) <= kGemvRows ? quant_gemv(x32, blocks, format, n, bias)
                                                 : quant_gemm(x32, blocks, format, n, bias);
@@ -332,6 +418,7 @@ at::Tensor quant_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 }
 
 int64_t quant_gemv_rows() { return kGemvRows; }
+
 
 // The blocks [N, K/32 * block bytes] of `format` de-quantized into `out`, a contiguous float32 [N, K]:
 // the reference's values (dequant_block), for a GGUF file loaded de-quantized (engine/model/gguf_quant.py),
@@ -368,6 +455,8 @@ TORCH_LIBRARY_FRAGMENT(kvtop_cpu, m) {
   m.def("quant_gemv(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_gemv);
   m.def("quant_gemm(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_gemm);
   m.def("quant_linear(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_linear);
+  m.def("quant_bf16_gemm(Tensor x, Tensor blocks, int format, int n, Tensor? bias) -> Tensor", &quant_bf16_gemm);
+  m.def("quant_bf16_panels_supported() -> bool", &bf16_panels_supported);
   m.def("quant_gemv_rows() -> int", &quant_gemv_rows);
   m.def("quant_dequantize(Tensor blocks, int format, Tensor(a!) out) -> ()", &quant_dequantize);
   m.def("quant_gate_up(Tensor x, Tensor blocks, int format, int inter, Tensor? bias, bool silu) -> Tensor", &quant_gate_up);

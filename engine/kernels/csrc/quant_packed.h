@@ -234,6 +234,41 @@ inline __m512 packed_weight(const Sub& s, int k) {
   if constexpr (F == kvtop_quant::kQ6_K) return _mm512_mul_ps(k < 16 ? s.d : s.d2, q);
   return _mm512_fmadd_ps(s.d, q, s.m);
 }
+
+// Sub-block kb (of the row's kbs) of tile t as bf16 pairs, the layout VDPBF16PS and AMX's B tiles
+// take: row r (0..15, at out + r * stride) holds the 16 columns' elements 2r and 2r + 1, column c's at
+// 2c and 2c + 1 — the reference's values (packed_weight) rounded to bf16 to nearest even, as torch's
+// .to(torch.bfloat16) rounds the de-quantized weight; for Q8_0 the packed row r itself, times d. No
+// transpose. amx_linear.cpp's tiles (stride 32) and quant_gemm.cpp's bf16 panels (stride 96: three
+// tiles side by side) are made of these.
+template <int64_t F>
+inline void bf16_pairs(const uint8_t* w, int64_t t, int64_t kb, int64_t kbs, uint16_t* out, int64_t stride) {
+  const Sub sub = packed_sub<F>(w, t, kb, kbs);
+  prefetch_block<F>(sub.values);
+  if constexpr (F == kvtop_quant::kQ8_0) {  // row r: its 32 bytes are the tile's row r, d * q exact in fp32
+    __m512 d0, d1;
+    column_pairs(sub.d, d0, d1);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      __m512 q0, q1;
+      q8_row(sub.values, r, q0, q1);
+      _mm512_storeu_si512(out + r * stride,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
+    }
+  } else {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
+    // unrolled, so that each row's shifts and offsets are constants: the loop as written was front-end
+    // bound (~35 instructions a row, 0.35 cycles a weight on the Xeon; 0.2 unrolled)
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512 even = packed_weight<F>(sub, 2 * r);
+      const __m512 odd = packed_weight<F>(sub, 2 * r + 1);
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
+      _mm512_storeu_si512(out + r * stride, _mm512_permutexvar_epi16(interleave, halves));
+    }
+  }
+}
 #endif
 
 }  // namespace kvtop_packed
