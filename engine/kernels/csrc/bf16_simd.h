@@ -1,6 +1,7 @@
 // AVX-512 pieces shared by fused_ops.cpp (SiLU-and-mul as its own op) and amx_linear.cpp (SiLU-and-mul
 // in the gate/up projection's epilogue), so that both round and compute exactly alike: c10's bf16
-// rounding on 16 lanes, the SiLU exp, and SiLU-and-mul itself. Both files compile it with
+// rounding on 16 lanes, the SiLU exp, and SiLU-and-mul itself; and the bf16 pairs the de-quantized
+// GGUF weights are multiplied in (quant_packed.h, quant_gemm.cpp). Both files compile it with
 // fp-contract off (no mul+add turned into an fma), as fused_ops.cpp's scalar loops need.
 #pragma once
 
@@ -38,6 +39,18 @@ inline __m512 bf16_widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_
 
 // 16 lanes rounded to the nearest bf16, kept as floats.
 inline __m512 bf16_round(__m512 v) { return bf16_widen(bf16_pack(v)); }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Two rows of 16 columns' values (K elements 2i and 2i + 1) as one row of bf16 pairs, column c's at
+// words 2c and 2c + 1 — the operand VDPBF16PS and AMX's B tiles take — rounded to nearest even
+// (normal values: the de-quantized weights these pair are never denormal).
+inline __m512i bf16_pairs16(__m512 even, __m512 odd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
+  const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
+  return _mm512_permutexvar_epi16(interleave, halves);
+}
+#endif
 
 // exp(x) in fp32 by cephes_exp.h on 16 lanes: x clamped to [-86, 88.7], 2^n applied in one step,
 // inf above 88.72283 (fused_ops.cpp's scalar exp_fp32 lane for lane).

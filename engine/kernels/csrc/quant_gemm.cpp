@@ -293,15 +293,11 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t for
 // interleaved, column c's at 2c and 2c + 1, rounded to nearest even (quant_packed.h's bf16_pairs, for
 // weights in the file's layout).
 void bf16_pairs_of(const float* panel, int64_t k, uint16_t* out) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
   for (int64_t i = 0; i < k / 2; ++i)
-    for (int64_t v = 0; v < kNR / 16; ++v) {
-      const __m512 even = _mm512_loadu_ps(panel + 2 * i * kNR + 16 * v);
-      const __m512 odd = _mm512_loadu_ps(panel + (2 * i + 1) * kNR + 16 * v);
-      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
-      _mm512_storeu_si512(out + i * 2 * kNR + 32 * v, _mm512_permutexvar_epi16(interleave, halves));
-    }
+    for (int64_t v = 0; v < kNR / 16; ++v)
+      _mm512_storeu_si512(out + i * 2 * kNR + 32 * v,
+                          kvtop_simd::bf16_pairs16(_mm512_loadu_ps(panel + 2 * i * kNR + 16 * v),
+                                                   _mm512_loadu_ps(panel + (2 * i + 1) * kNR + 16 * v)));
 }
 #endif
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "aligned_vector.h"
+#include "bf16_simd.h"
 #include "quant_blocks.h"
 
 // bf16 rows: vcvtneps2bf16; decode rows: vpdpwssd (every CPU with AVX512-BF16 has VNNI)
@@ -256,17 +257,12 @@ inline void bf16_pairs(const uint8_t* w, int64_t t, int64_t kb, int64_t kbs, uin
                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, q1), _mm512_mul_ps(d0, q0))));
     }
   } else {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // word 2c + e: 16e + c
     // unrolled, so that each row's shifts and offsets are constants: the loop as written was front-end
     // bound (~35 instructions a row, 0.35 cycles a weight on the Xeon; 0.2 unrolled)
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512 even = packed_weight<F>(sub, 2 * r);
-      const __m512 odd = packed_weight<F>(sub, 2 * r + 1);
-      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // 16 even, then 16 odd
-      _mm512_storeu_si512(out + r * stride, _mm512_permutexvar_epi16(interleave, halves));
-    }
+    for (int r = 0; r < 16; ++r)
+      _mm512_storeu_si512(out + r * stride,
+                          kvtop_simd::bf16_pairs16(packed_weight<F>(sub, 2 * r), packed_weight<F>(sub, 2 * r + 1)));
   }
 }
 #endif
