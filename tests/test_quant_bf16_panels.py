@@ -23,8 +23,8 @@ needs_bf16_panels = pytest.mark.skipif(
 GEMV_ROWS = gemv_rows() if kernel_available() else 4
 
 # (rows, N, K): just past the decode rows; a partial 8-row block and N not a multiple of 48 (a panel's
-# columns past N zero); 64 rows (one item's register blocks) against K in two passes of 1,536 and an
-# odd number of 32-blocks; 300 rows (two items of up to 256) against SmolLM2's K = 576
+# columns past N zero); 64 rows (one item's register blocks) against K past two passes of 1,536 (an
+# odd number of 32-blocks); 300 rows (two items of up to 256) against SmolLM2's K = 576
 SHAPES = [
     (GEMV_ROWS + 1, 16, 32),
     (17, 80, 96),
