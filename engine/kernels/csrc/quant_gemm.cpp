@@ -375,21 +375,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
                         const std::optional<at::Tensor>& bias) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
   static const bool bf16_panels = bf16_panels_supported();
-  if (format >= kPackedFormat) {
-    const int64_t file_format = format - kPackedFormat;
-    if (x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x))
-      return kvtop_packed::gemv(x, blocks, file_format, n, bias);
-    if (tiles && x.scalar_type() == at::kBFloat16) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
-    if (bf16_panels && x.scalar_type() == at::kBFloat16) return quant_bf16_gemm(x, blocks, format, n, bias);
-    return quant_gemm(x.to(at::kFloat), blocks, format, n, bias).to(x.scalar_type());
+  const bool packed = format >= kPackedFormat;
+  if (packed && x.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x))
+    return kvtop_packed::gemv(x, blocks, format - kPackedFormat, n, bias);
+  if (x.scalar_type() == at::kBFloat16 && (packed || x.size(0) > kGemvRows)) {  // the weights rounded to bf16
+    if (tiles) return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
+    if (bf16_panels) return quant_bf16_gemm(x, blocks, format, n, bias);
   }
-  if (tiles && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
-    return kvtop_amx::quant_tiles_linear(x, blocks, format, n, bias);
-  if (bf16_panels && x.scalar_type() == at::kBFloat16 && x.size(0) > kGemvRows)
-    return quant_bf16_gemm(x, blocks, format, n, bias);
   const at::Tensor x32 = x.to(at::kFloat);
-  const at::Tensor y = x32.size(0) <= kGemvRows ? quant_gemv(x32, blocks, format, n, bias)
-                                                : quant_gemm(x32, blocks, format, n, bias);
+  const at::Tensor y = !packed && x32.size(0) <= kGemvRows ? quant_gemv(x32, blocks, format, n, bias)
+                                                           : quant_gemm(x32, blocks, format, n, bias);
   return y.to(x.scalar_type());
 }
 
