@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -164,6 +165,15 @@ def test_an_empty_batch_gives_an_empty_output():
     q, k, v, tables, lens, scale = args
     out = cpu.paged_decode_attention(q[:0], k, v, tables[:0], lens[:0], scale)
     assert out.shape == (0, 4, 64)
+
+
+def test_every_file_the_kernels_include_is_in_the_build_key():
+    """A cached build is reused while its key holds: a header left out of the key would keep running
+    the old code after an edit to it (bf16_panel.h once was)."""
+    keyed = {path.name for path in cpu.SOURCES + cpu.HEADERS}
+    for path in cpu.SOURCES + cpu.HEADERS:
+        for included in re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.MULTILINE):
+            assert included in keyed, f"{path.name} includes {included}, which the build key does not read"
 
 
 def test_a_failed_build_falls_back_to_the_reference(tiny_dir, tmp_path):

@@ -45,19 +45,9 @@ SOURCES = [
     CSRC / "quant_gemm.cpp",
     CSRC / "quant_packed.cpp",
 ]
-HEADERS = [
-    CSRC / "cephes_exp.h",
-    CSRC / "aligned_vector.h",
-    CSRC / "amx_tiles.h",
-    CSRC / "bf16_simd.h",
-    CSRC / "causal_tasks.h",
-    CSRC / "panel_gemm.h",
-    CSRC / "fp32_panel.h",
-    CSRC / "row_blocks.h",
-    CSRC / "quant_blocks.h",
-    CSRC / "quant_packed.h",
-    CSRC / "quant_packed_avx2.h",
-]  # in the build key too: a changed header is a new build
+# every header beside the sources, in the build key too: a changed header is a new build (a list by
+# hand once missed a new header, and an edit to it ran the stale build)
+HEADERS = sorted(CSRC.glob("*.h"))
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (without it the loop runs on one
 # thread); the libgomp it links is the one torch has already loaded (same soname).
 # -fno-trapping-math: without it gcc keeps exp_nonpositive's floor and float-to-int scalar (they
