@@ -24,6 +24,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -116,11 +117,14 @@ inline void int16_scale(float amax, bool bad, float& scale, float& inv) {
     scale = std::numeric_limits<float>::quiet_NaN();
   } else if (amax < 0x1p-100f) {
     scale = 0.0f;
-  } else {
-    int e = 0;
-    std::frexp(amax, &e);
-    scale = std::ldexp(1.0f, e - 14);
-    inv = std::ldexp(1.0f, 14 - e);
+  } else {  // 2^(e - 14) and 2^(14 - e), e = frexp's exponent of amax (its biased exponent - 126), as bits:
+    // ldexp was a libm call twice a block
+    uint32_t bits;
+    std::memcpy(&bits, &amax, sizeof(bits));
+    const uint32_t biased = bits >> 23;  // amax >= 2^-100, finite: a normal float, biased exponent 27..254
+    const uint32_t scale_bits = (biased - 13) << 23, inv_bits = (267 - biased) << 23;
+    std::memcpy(&scale, &scale_bits, sizeof(scale));
+    std::memcpy(&inv, &inv_bits, sizeof(inv));
   }
 }
 #endif
