@@ -393,6 +393,20 @@ inline __m512i q5_pair_bits(const uint8_t* plane, int p) {
   return p >= 4 ? _mm512_srli_epi32(bits, static_cast<unsigned>(p - 4)) : _mm512_slli_epi32(bits, static_cast<unsigned>(4 - p));
 }
 
+// Independent vpdpwssd chains a row sums a block's products into: a block's 16 multiply-adds a row in
+// one or two chains wait on each other's latency (4-5 cycles on Zen 4); one row alone takes four, so
+// that its block runs at the instruction's throughput. The int32 sums are exact: any split gives the
+// same total.
+template <int R>
+constexpr int kChains = R == 1 ? 4 : 2;
+
+template <int R>
+inline __m512i chains_sum(const __m512i (&chains)[kChains<R>]) {
+  __m512i total = chains[0];
+  for (int c = 1; c < kChains<R>; ++c) total = _mm512_add_epi32(total, chains[c]);
+  return total;
+}
+
 // Q4 (and Q5) tile t's 16 columns for rows [0, R) of int16 x, y [R, 16] of T (bf16 or fp32) at stride
 // ldy: each block's 16 columns x 32 values summed exactly in int32 (vpdpwssd: a nibble pair — Q5's with
 // its high bits at bit 4 of each word — times an x pair a lane), then scaled once, d times x's scale;
@@ -406,21 +420,24 @@ void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
   for (int64_t b = 0; b < nb; ++b) {
     const Sub sub = packed_sub<F>(w, t, b, nb);
     prefetch_block<F>(sub.values);
-    __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    __m512i sum[R][kChains<R>];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains<R>; ++c) sum[r][c] = _mm512_setzero_si512();
     for (int g = 0; g < 4; ++g) {
       const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m512i q = _mm512_and_si512(nibble_pairs(group, j), low4);
         if constexpr (q5_format(F)) q = _mm512_ternarylogic_epi32(q, q5_pair_bits(sub.values + 256, 4 * g + j), bit4, 0xF8);
-        for (int r = 0; r < R; ++r)
-          sum[r][j & 1] = _mm512_dpwssd_epi32(sum[r][j & 1], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
+        for (int r = 0; r < R; ++r) {
+          __m512i& chain = sum[r][j % kChains<R>];
+          chain = _mm512_dpwssd_epi32(chain, q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_mul_ps(sub.d, _mm512_set1_ps(x.scale[r * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1])), d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains_sum<R>(sum[r])), d, acc[r]);
       macc[r] = _mm512_fmadd_ps(sub.m, _mm512_set1_ps(xsum[r * nb + b]), macc[r]);
     }
   }
@@ -438,17 +455,20 @@ void q8_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int6
   for (int64_t b = 0; b < nb; ++b) {
     const Sub sub = packed_sub<kQ8_0>(w, t, b, nb);
     prefetch_block<kQ8_0>(sub.values);
-    __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    __m512i sum[R][kChains<R>];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains<R>; ++c) sum[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int row = 0; row < 16; ++row) {
       const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub.values + 32 * row)));
-      for (int r = 0; r < R; ++r)
-        sum[r][row & 1] = _mm512_dpwssd_epi32(sum[r][row & 1], q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + row]));
+      for (int r = 0; r < R; ++r) {
+        __m512i& chain = sum[r][row % kChains<R>];
+        chain = _mm512_dpwssd_epi32(chain, q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + row]));
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_mul_ps(sub.d, _mm512_set1_ps(x.scale[r * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1])), d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains_sum<R>(sum[r])), d, acc[r]);
     }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
