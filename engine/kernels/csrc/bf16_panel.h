@@ -93,15 +93,14 @@ inline void panel_item(const uint16_t* x, int64_t m0, int64_t m1, int64_t k, con
     const int64_t kc = std::min(kKC, k - k0);
     const bool to_y = k0 + kc >= k && whole;
     // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks
-    const int64_t blocks = (m1 - m0 + kMR - 1) / kMR, lines = next ? kc * kNR * 2 / 64 : 0;
-    const int64_t share = (lines + blocks - 1) / blocks;
+    const kvtop_panels::PrefetchShare prefetch(next ? kc * kNR * 2 / 64 : 0, (m1 - m0 + kMR - 1) / kMR);
     for (int64_t m = m0; m < m1; m += kMR) {
-      const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
-      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
+      const int64_t i = (m - m0) / kMR;
+      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * prefetch.first(i);
       float* slot = buf + (m - m0) * kNR;
       block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
                             (k0 == 0 && bias) ? padded_bias : nullptr, slot, to_y ? y + m * n + n0 : nullptr, n, pf,
-                            std::min(share, lines - first_line));
+                            prefetch.count(i));
     }
   }
   if (!whole) {

@@ -121,11 +121,10 @@ inline void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const 
     // the next panel's slice, into L2 while this one is multiplied, spread over the row blocks: the
     // weights of a decode step come from DRAM, and with the hardware prefetcher alone SmolLM2's
     // linears at 64 rows took ~1.3x as long
-    const int64_t blocks = (m1 - m0 + kMR - 1) / kMR, lines = next ? kc * kNR * 4 / 64 : 0;
-    const int64_t share = (lines + blocks - 1) / blocks;
+    const kvtop_panels::PrefetchShare prefetch(next ? kc * kNR * 4 / 64 : 0, (m1 - m0 + kMR - 1) / kMR);
     for (int64_t m = m0; m < m1; m += kMR) {
-      const int64_t first_line = std::min(lines, (m - m0) / kMR * share);
-      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * first_line;
+      const int64_t i = (m - m0) / kMR;
+      const char* pf = reinterpret_cast<const char*>(next + k0 * kNR) + 64 * prefetch.first(i);
       float* slot = buf + (m - m0) * kNR;
       if (to_y && m + kMR < m1) {  // the next block's output lines, for writing, while this one multiplies
         for (int64_t r = m + kMR; r < std::min(m1, m + 2 * kMR); ++r)
@@ -134,7 +133,7 @@ inline void panel_item(const float* x, int64_t m0, int64_t m1, int64_t k, const 
       }
       block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc,
                             k0 == 0 ? nullptr : slot, (k0 == 0 && bias) ? padded_bias : nullptr,
-                            to_y ? y + m * n + n0 : slot, to_y ? n : kNR, pf, std::min(share, lines - first_line));
+                            to_y ? y + m * n + n0 : slot, to_y ? n : kNR, pf, prefetch.count(i));
     }
   }
   if (!whole)

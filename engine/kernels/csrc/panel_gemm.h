@@ -1,6 +1,7 @@
 // What csrc/fp32_gemm.cpp and csrc/bf16_gemm.cpp share: a weight packed in panels of kPanel output
-// columns, the checks on a call's n and bias, its output, and the split of the work into
-// (row chunk, panel) items. Plain C++: both kernels include it in every build (AVX2 too).
+// columns, the checks on a call's n and bias, its output, the split of the work into
+// (row chunk, panel) items, and an item's share of the next panel to prefetch. Plain C++: both kernels
+// include it in every build (AVX2 too).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -34,6 +35,15 @@ inline at::Tensor output_for(const at::Tensor& x, int64_t n) {
   shape.back() = n;
   return at::empty(shape, x.options());
 }
+
+// An item's share of the next panel's slice, prefetched into L2 while this panel is multiplied, spread
+// over its register blocks: block i's first line and line count.
+struct PrefetchShare {
+  int64_t lines, share;
+  PrefetchShare(int64_t lines, int64_t blocks) : lines(lines), share((lines + blocks - 1) / blocks) {}
+  int64_t first(int64_t block) const { return std::min(lines, block * share); }
+  int64_t count(int64_t block) const { return std::min(share, lines - first(block)); }
+};
 
 // item(m0, m1, p) for every chunk of `mc` of the m rows against every panel, in parallel. Item i is
 // row chunk i / panels, panel i % panels: a thread's run of items shares its x rows.

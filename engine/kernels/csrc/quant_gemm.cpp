@@ -410,7 +410,6 @@ at::Tensor quant_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 
 int64_t quant_gemv_rows() { return kGemvRows; }
 
-
 // The blocks [N, K/32 * block bytes] of `format` de-quantized into `out`, a contiguous float32 [N, K]:
 // the reference's values (dequant_block), for a GGUF file loaded de-quantized (engine/model/gguf_quant.py),
 // where the `gguf` package's numpy de-quantization took 43 s of an 8B file's 77.
