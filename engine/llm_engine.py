@@ -27,7 +27,7 @@ from engine.model.loader import load_model
 from engine.model.packed_linear import weights_note
 from engine.outputs import RequestOutput, request_output
 from engine.runner import ModelRunner
-from engine.runtime import knobs
+from engine.runtime import huge_pages, knobs
 from engine.runtime.devices import kv_budget_note, kv_memory_bytes, resolve_device, resolve_dtype
 from engine.runtime.faults import FaultInjector
 from engine.runtime.host_memory import keep_freed_memory
@@ -80,6 +80,8 @@ class LLMEngine:
         self.start_time = time.time()
         t0 = time.time()
         loaded = load_model(config.model, self.dtype, self.device, config.quantization)
+        if self.device.startswith("cpu"):
+            huge_pages.place_weights(loaded.model)  # a decode step streams them: fewer TLB misses
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.weights_bytes, self.prefill_copy_bytes = loaded.weights_bytes, loaded.prefill_copy_bytes

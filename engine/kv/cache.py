@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.spec import ModelSpec
+from engine.runtime import huge_pages
 from kvtop.protocol.errors import ConfigError
 from kvtop.protocol.sizing import bytes_per_token, num_blocks_for
 
@@ -109,7 +110,8 @@ class KVCache:
             )
         dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        data = torch.zeros(shape, dtype=dtype, device=device)
+        on_cpu = torch.device(device).type == "cpu"
+        data = huge_pages.zeros(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
         scales = None
         if kv_cache_dtype == "int8":
             scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)

@@ -14,6 +14,9 @@ The settings: one arena for every thread (the engine thread's allocations go to 
 the trim threshold governs), no trimming below 1 GiB of free top, 64 MiB of padding when the heap
 grows, and a fixed mmap threshold of 32 MiB (glibc's largest), so that a step's tensors come from
 the heap. `KVTOP_MALLOC=0` keeps glibc's defaults; elsewhere than glibc nothing is done.
+
+Memory freed at load is not a step's: `return_free_memory` hands the heap's free pages back
+(malloc_trim) once the weights are where they stay (engine/runtime/huge_pages.py moves them).
 """
 
 from __future__ import annotations
@@ -41,3 +44,14 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+
+
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): after a
+    load that freed what it copied, that memory is not kept for steps to come."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -50,6 +50,8 @@ KNOBS = {
              "Free a thread's OpenMP pool when it runs no more parallel regions; 0 keeps it."),
         Knob("KVTOP_MALLOC", "1", ("1", "0"),
              "glibc malloc settings that keep freed memory for reuse; 0 keeps glibc's defaults."),
+        Knob("KVTOP_HUGE_PAGES", "1", ("1", "0"),
+             "A CPU engine's weights and KV cache on 2 MiB pages (madvise); 0 leaves them on torch's allocator."),
         Knob("KVTOP_CPU_ARCH", "native", None,
              "The -march of the C++ kernels' build: native, or another target (x86-64-v3: AVX2, no AVX-512)."),
         Knob("KVTOP_FAULT_INJECT", "", None,
