@@ -75,6 +75,38 @@ def test_decode_matches_reference(kind, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("lens", [[333], [700, 129]])
+def test_few_long_sequences_split_across_threads_match_reference(kind, heads, kv_heads, lens):
+    """Fewer (sequence, KV head) items than twice the threads — one sequence's heads — run each
+    item's keys in parts on every thread, merged after (paged_attention.cpp's decode_parts): the
+    same result as one pass."""
+    cache = Paged(lens, 16, kv_heads, 64, kind=kind, seed=len(lens))
+    q = strided_q(len(lens), heads, 64, seed=heads)
+    args = (q, *cache.cache_args(), cache.block_tables, cache.seq_lens, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # parts only where there are threads to share them
+    try:
+        out = cpu.paged_decode_attention(*args, **cache.scales())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, ref.paged_decode_attention(*args, **cache.scales()), **FP32_TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 8])  # 8: the general kernel, which takes float32 rows
+@pytest.mark.parametrize("lens", [[1, 16, 45, 333, 130], [333]])
+def test_a_bf16_query_gives_the_float32_querys_result_rounded_bit_for_bit(lens, block_size):
+    """The fused decode hands the op a bf16 model's query as it is and takes its result in bf16
+    (decode_layers.cpp); the Python path converts both ways around it. The same numbers either way."""
+    cache = Paged(lens, block_size, 3, 64, dtype=torch.bfloat16, seed=block_size)
+    q = strided_q(len(lens), 9, 64, seed=len(lens), dtype=torch.bfloat16)
+    rest = (*cache.cache_args(), cache.block_tables.to(torch.int32), cache.seq_lens, 0.125, None, None)
+    direct = torch.ops.kvtop_cpu.paged_decode(q, *rest)
+    assert direct.dtype == torch.bfloat16
+    assert torch.equal(direct, torch.ops.kvtop_cpu.paged_decode(q.float(), *rest).bfloat16())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_with_cached_prefix_matches_reference(kind, heads, kv_heads, head_dim):
     args, scales = prefill_case(kind, heads, kv_heads, head_dim, seed=head_dim * heads)

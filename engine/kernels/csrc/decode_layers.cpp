@@ -159,8 +159,9 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   }
   o.rope.call(q, k, cos, sin);  // in place
   o.store_kv.call(k, v, k_cache, v_cache, slots);
-  // engine/kernels/cpu.py's wrapper: the query in float32 (contiguous rows), the result in q's dtype
-  at::Tensor qf = q.to(at::kFloat);
+  // a bf16 query goes in as it is, its result comes back in bf16 (rounded in the kernel as .to rounds:
+  // the numbers of engine/kernels/cpu.py's wrapper, which converts both ways); others in float32
+  at::Tensor qf = q.scalar_type() == at::kBFloat16 ? q : q.to(at::kFloat);
   if (qf.stride(-1) != 1) qf = qf.contiguous();
   const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
                               .to(q.scalar_type());

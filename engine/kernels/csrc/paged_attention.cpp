@@ -283,11 +283,13 @@ inline __m512 block_scales(const CacheView& c, int64_t block, int64_t head, int6
   return _mm512_load_ps(s);
 }
 
-// One sequence's KV head: G (<= GM) prescaled query rows `q` [G, D] over its first `len` keys;
-// the normalized result goes to `out` [G, D]. Blocks of 16 rows.
+// One sequence's KV head: G (<= GM) prescaled query rows `q` [G, D] over its keys in blocks [b0, b1)
+// of its first `len` (blocks of 16 rows). The normalized result goes to `out` [G, D]; where `ml` is
+// given, a part's instead (decode_parts): `out` unnormalized, ml [G, 2] each row's running max and sum.
 template <typename T, int D, int GM>
 void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_t* table, int64_t head,
-                 const CacheView& kc, const CacheView& vc, float* __restrict out) {
+                 const CacheView& kc, const CacheView& vc, float* __restrict out, int64_t b0, int64_t b1,
+                 float* ml) {
   constexpr int V = D / 16;
   __m512 acc[GM][V];
   float m[GM], l[GM];
@@ -298,9 +300,8 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
   }
   const T* kbase = static_cast<const T*>(kc.data) + head * kc.head_stride;
   const T* vbase = static_cast<const T*>(vc.data) + head * vc.head_stride;
-  const int64_t nblocks = (len + 15) / 16;
   alignas(64) float p[GM][16];
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min<int64_t>(16, len - b * 16), block = table[b];
     const T* kb = kbase + block * kc.block_stride;
     const T* vb = vbase + block * vc.block_stride;
@@ -309,10 +310,10 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
     // after it into L2 only (hint T1: the L2's queue, not L1's fill buffers), so that its memory
     // latency is hidden behind two blocks' work. 64 x 384 bf16, 30 layers, 2 threads, 7 alternated
     // runs: 33.1-44.9 -> 30.1-42.7 ms (median ratio 1.13x); a third block ahead added nothing.
-    const T* nk = b + 1 < nblocks ? kbase + table[b + 1] * kc.block_stride : kb;
-    const T* nv = b + 1 < nblocks ? vbase + table[b + 1] * vc.block_stride : vb;
-    const T* fk = b + 2 < nblocks ? kbase + table[b + 2] * kc.block_stride : nk;
-    const T* fv = b + 2 < nblocks ? vbase + table[b + 2] * vc.block_stride : nv;
+    const T* nk = b + 1 < b1 ? kbase + table[b + 1] * kc.block_stride : kb;
+    const T* nv = b + 1 < b1 ? vbase + table[b + 1] * vc.block_stride : vb;
+    const T* fk = b + 2 < b1 ? kbase + table[b + 2] * kc.block_stride : nk;
+    const T* fv = b + 2 < b1 ? vbase + table[b + 2] * vc.block_stride : nv;
     // scores: each key row once, against every row of the group
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
@@ -360,8 +361,9 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
   }
   for (int g = 0; g < GM; ++g) {
     if (g >= G) break;
-    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    const __m512 inv = _mm512_set1_ps(ml ? 1.f : 1.f / l[g]);
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    if (ml) ml[2 * g] = m[g], ml[2 * g + 1] = l[g];
   }
 }
 
@@ -430,7 +432,8 @@ constexpr bool kConvertBlock = std::is_same_v<T, c10::Float8_e4m3fn>;
 
 template <typename T, int D, int GM>
 void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_t* table, int64_t head,
-                 const CacheView& kc, const CacheView& vc, float* __restrict out) {
+                 const CacheView& kc, const CacheView& vc, float* __restrict out, int64_t b0, int64_t b1,
+                 float* ml) {
   constexpr int V = D / 8;
   alignas(32) float acc[GM][D] = {};
   alignas(32) float p[GM][16];
@@ -439,14 +442,13 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
   for (int g = 0; g < GM; ++g) m[g] = kNegInf, l[g] = 0.f;
   const T* kbase = static_cast<const T*>(kc.data) + head * kc.head_stride;
   const T* vbase = static_cast<const T*>(vc.data) + head * vc.head_stride;
-  const int64_t nblocks = (len + 15) / 16;
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min<int64_t>(16, len - b * 16), block = table[b];
     const T* kb = kbase + block * kc.block_stride;
     const T* vb = vbase + block * vc.block_stride;
     // the next block's rows, one per key scored here (as the AVX-512 item does)
-    const T* nk = b + 1 < nblocks ? kbase + table[b + 1] * kc.block_stride : kb;
-    const T* nv = b + 1 < nblocks ? vbase + table[b + 1] * vc.block_stride : vb;
+    const T* nk = b + 1 < b1 ? kbase + table[b + 1] * kc.block_stride : kb;
+    const T* nv = b + 1 < b1 ? vbase + table[b + 1] * vc.block_stride : vb;
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(nk + j * kc.row_stride) + off);
@@ -477,58 +479,136 @@ void decode_item(const float* __restrict q, int64_t G, int64_t len, const int32_
   }
   for (int g = 0; g < GM; ++g) {
     if (g >= G) break;
-    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+    const __m256 inv = _mm256_set1_ps(ml ? 1.f : 1.f / l[g]);
     for (int v = 0; v < V; ++v)
       _mm256_storeu_ps(out + g * D + 8 * v, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * v), inv));
+    if (ml) ml[2 * g] = m[g], ml[2 * g + 1] = l[g];
   }
 }
 #endif  // __AVX512F__, AVX2
 
+// Whether this build's decode kernel (run_decode_fast) covers these shapes.
+bool decode_fast_covers(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+#ifdef KVTOP_DECODE_FAST
+  return block_size == 16 && heads / kv_heads <= 8 && (head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
 #ifdef KVTOP_DECODE_FAST
 template <typename T, int D>
 void decode_item_any(const float* q, int64_t G, int64_t len, const int32_t* table, int64_t head,
-                     const CacheView& kc, const CacheView& vc, float* out) {
-  if (G == 1) decode_item<T, D, 1>(q, G, len, table, head, kc, vc, out);
-  else if (G == 2) decode_item<T, D, 2>(q, G, len, table, head, kc, vc, out);
-  else if (G == 3) decode_item<T, D, 3>(q, G, len, table, head, kc, vc, out);
-  else if (G == 4) decode_item<T, D, 4>(q, G, len, table, head, kc, vc, out);
-  else decode_item<T, D, 8>(q, G, len, table, head, kc, vc, out);
+                     const CacheView& kc, const CacheView& vc, float* out, int64_t b0, int64_t b1, float* ml) {
+  if (G == 1) decode_item<T, D, 1>(q, G, len, table, head, kc, vc, out, b0, b1, ml);
+  else if (G == 2) decode_item<T, D, 2>(q, G, len, table, head, kc, vc, out, b0, b1, ml);
+  else if (G == 3) decode_item<T, D, 3>(q, G, len, table, head, kc, vc, out, b0, b1, ml);
+  else if (G == 4) decode_item<T, D, 4>(q, G, len, table, head, kc, vc, out, b0, b1, ml);
+  else decode_item<T, D, 8>(q, G, len, table, head, kc, vc, out, b0, b1, ml);
 }
 
-// Every (sequence, KV head) of a decode step in parallel. True if it ran (shapes it covers).
-template <typename T>
+// Parts a (sequence, KV head) item's keys are split in. Fewer items than twice the threads (one
+// sequence's 3 KV heads on 2 threads: one thread would do two, the other one) leave a thread idle for
+// part of the call; split in runs of blocks, merged after (decode_merge), the parts balance. Not below
+// kMinPartBlocks blocks a part: a part's fixed cost (its query, its output, the merge) must stay small.
+// SmolLM2's heads, one sequence at 320 tokens, bf16 cache, 2 threads, a call from Python: 17.4 ->
+// 15.6-16.3 us (and 12.3-12.8 with the bf16 query read here rather than converted around the call).
+constexpr int64_t kMinPartBlocks = 4;
+
+int64_t decode_parts(int64_t items, int64_t min_len) {
+  const int64_t threads = at::get_num_threads();
+  if (threads < 2 || items >= 2 * threads) return 1;
+  const int64_t by_length = (min_len + 15) / 16 / kMinPartBlocks;
+  return std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, by_length));
+}
+
+// One item's parts (each [G, D] unnormalized, ml [G, 2]: max and sum) merged into its normalized
+// result: each part weighted by exp(its max - the overall max). A part over no key has sum 0.
+void decode_merge(const float* parts, int64_t count, int64_t G, int64_t d, float* out) {
+  const int64_t stride = G * (d + 2);
+  for (int64_t g = 0; g < G; ++g) {
+    float top = kNegInf;
+    for (int64_t p = 0; p < count; ++p) {
+      const float* ml = parts + p * stride + G * d + 2 * g;
+      if (ml[1] > 0.f) top = std::max(top, ml[0]);
+    }
+    float sum = 0.f;
+    float* dst = out + g * d;
+    std::fill(dst, dst + d, 0.f);
+    for (int64_t p = 0; p < count; ++p) {
+      const float* part = parts + p * stride;
+      const float* ml = part + G * d + 2 * g;
+      if (ml[1] <= 0.f) continue;
+      const float w = std::exp(ml[0] - top);
+      sum += ml[1] * w;
+      for (int64_t x = 0; x < d; ++x) dst[x] += w * part[g * d + x];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t x = 0; x < d; ++x) dst[x] *= inv;
+  }
+}
+
+// Rows [G, d] of fp32 results into the output's dtype: fp32 as they are, bf16 rounded (nearest even,
+// as Tensor.to).
+inline void store_rows(const float* src, int64_t count, float* dst) { std::copy(src, src + count, dst); }
+inline void store_rows(const float* src, int64_t count, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// Every (sequence, KV head) of a decode step in parallel, each in decode_parts runs of its blocks.
+// The query and the output in Q: fp32, or the bf16 model's own (read and rounded here, rather than
+// by a conversion op each way a layer). True if it ran (shapes it covers).
+template <typename T, typename Q>
 bool run_decode_fast(const at::Tensor& q, at::Tensor& out, const CacheView& kc, const CacheView& vc,
                      const at::Tensor& block_tables, const int64_t* lens, int64_t kv_heads, int64_t block_size,
                      double scale) {
   const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2), group = heads / kv_heads;
-  if (block_size != 16 || group > 8 || (d != 64 && d != 128)) return false;
-  const float* qp = q.data_ptr<float>();
+  if (!decode_fast_covers(heads, kv_heads, d, block_size)) return false;
+  const Q* qp = q.data_ptr<Q>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  float* op = out.data_ptr<float>();
+  Q* op = out.data_ptr<Q>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.size(1);
   const auto sc = static_cast<float>(scale);
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = seqs * kv_heads;
+  const int64_t parts = decode_parts(items, *std::min_element(lens, lens + seqs));
+  const int64_t part_floats = group * (d + 2);
+  std::vector<float> partial(parts > 1 ? items * parts * part_floats : 0);
+  at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qbuf[8 * 128];
-    for (int64_t item = begin; item < end; ++item) {
+    alignas(64) float result[8 * 128];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t item = unit / parts, part = unit % parts;
       const int64_t s = item / kv_heads, h = item % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
-        const float* src = qp + s * qs0 + (h * group + g) * qs1;
-        for (int64_t x = 0; x < d; ++x) qbuf[g * d + x] = src[x] * sc;
+        const Q* src = qp + s * qs0 + (h * group + g) * qs1;
+        for (int64_t x = 0; x < d; ++x) qbuf[g * d + x] = static_cast<float>(src[x]) * sc;
       }
-      float* dst = op + (s * heads + h * group) * d;
+      const int64_t nblocks = (lens[s] + 15) / 16;
+      const int64_t b0 = nblocks * part / parts, b1 = nblocks * (part + 1) / parts;
+      float* dst = parts > 1 ? partial.data() + unit * part_floats : result;
+      float* ml = parts > 1 ? dst + group * d : nullptr;
       const int32_t* table = tables + s * table_stride;
-      if (d == 64) decode_item_any<T, 64>(qbuf, group, lens[s], table, h, kc, vc, dst);
-      else decode_item_any<T, 128>(qbuf, group, lens[s], table, h, kc, vc, dst);
+      if (d == 64) decode_item_any<T, 64>(qbuf, group, lens[s], table, h, kc, vc, dst, b0, b1, ml);
+      else decode_item_any<T, 128>(qbuf, group, lens[s], table, h, kc, vc, dst, b0, b1, ml);
+      if (parts == 1) store_rows(result, group * d, op + (s * heads + h * group) * d);
     }
   });
+  if (parts > 1) {
+    alignas(64) float result[8 * 128];
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      decode_merge(partial.data() + item * parts * part_floats, parts, group, d, result);
+      store_rows(result, group * d, op + (s * heads + h * group) * d);
+    }
+  }
   return true;
 }
 #endif  // KVTOP_DECODE_FAST
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "q: float32 [tokens, heads, dim]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [tokens, heads, dim], dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache: [blocks, bs, kvh, d]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ in dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
@@ -615,9 +695,13 @@ at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK(!quantized || (kc.scales && vc.scales), "an int8 or fp8 cache needs k_scale and v_scale");
   auto run = [&](auto tag) {
 #ifdef KVTOP_DECODE_FAST
-    if (decode_lens != nullptr && run_decode_fast<decltype(tag)>(q, out, kc, vc, block_tables, decode_lens, kv_heads,
-                                                                 block_size, scale)) {
-      return;
+    if (decode_lens != nullptr) {
+      const bool ran = q.scalar_type() == at::kBFloat16
+                           ? run_decode_fast<decltype(tag), c10::BFloat16>(q, out, kc, vc, block_tables, decode_lens,
+                                                                           kv_heads, block_size, scale)
+                           : run_decode_fast<decltype(tag), float>(q, out, kc, vc, block_tables, decode_lens,
+                                                                   kv_heads, block_size, scale);
+      if (ran) return;
     }
 #endif
     run_tiles<decltype(tag)>(q, out, kc, vc, block_tables, tiles, kv_heads, block_size, scale);
@@ -635,6 +719,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_inputs(q, k_cache, v_cache, block_tables);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16");
+  if (q.scalar_type() == at::kBFloat16 && !decode_fast_covers(q.size(1), k_cache.size(2), q.size(2), k_cache.size(1)))
+    return paged_decode(q.to(at::kFloat), k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        .to(at::kBFloat16);  // the general kernel takes fp32 rows
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(lens.numel() == q.size(0), "one seq_len per query token");
@@ -649,6 +737,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
                          double scale, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale) {
   check_inputs(q, k_cache, v_cache, block_tables);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   const at::Tensor cu = cu_seqlens_q.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t *cp = cu.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
