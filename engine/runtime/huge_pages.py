@@ -2,10 +2,9 @@
 
 Why: a decode step streams every weight once, and a step of few sequences is bound by how fast
 memory delivers them. On 4 KiB pages that stream crosses a page every 64 cache lines, each a TLB
-miss and a page walk. Linux gives a mapping
-2 MiB pages only where it is told to (`madvise`, the default setting of
-/sys/kernel/mm/transparent_hugepage/enabled on most distributions) or everywhere (`always`), and
-torch's CPU allocator tells it only when THP_MEM_ALLOC_ENABLE is set. Measured on a 2-core Zen 4
+miss and a page walk. Linux gives a mapping 2 MiB pages only where it is told to (`madvise`, the
+default setting of /sys/kernel/mm/transparent_hugepage/enabled on most distributions) or everywhere
+(`always`), and torch's CPU allocator tells it only when THP_MEM_ALLOC_ENABLE is set. Measured on a 2-core Zen 4
 VM, SmolLM2-135M Q4_1, every projection of a decode step called one after another: 2.73 → 2.24 ms
 a step (24 → 30 GB/s); one sequence, 256-token prompt → 128 tokens, the same process alternating an
 engine on huge pages with one without, medians of 5 runs: 1.05-1.12x (quantized blocks), 1.00-1.06x
