@@ -51,13 +51,13 @@ class Tied(nn.Module):
 
 
 def test_weights_move_with_their_values_ties_and_views_kept():
+    if not huge_pages.enabled():
+        pytest.skip("huge pages are off here (KVTOP_HUGE_PAGES=0, or no MADV_HUGEPAGE)")
     model = Tied()
     before = {name: t.clone() for name, t in (*model.named_parameters(), *model.named_buffers())}
     storages = (model.head.weight, model.head.bias, model.table)  # the view's and the tie's are these
     nbytes = sum(t.untyped_storage().nbytes() for t in storages)
     moved = huge_pages.place_weights(model)
-    if not huge_pages.enabled():
-        pytest.skip("huge pages are off here (KVTOP_HUGE_PAGES=0, or no MADV_HUGEPAGE)")
     assert nbytes <= moved < nbytes + len(storages) * huge_pages.SLOT_ALIGN  # each storage once
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         assert torch.equal(t, before[name]), name

@@ -21,6 +21,7 @@ torch's allocator.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -34,6 +35,11 @@ SLOT_ALIGN = 64  # each storage's slot starts on a cache line
 # the heap's freed pages go back to the OS after each this many bytes moved: the move's peak is the
 # weights plus this, not twice the weights (glibc keeps what a load frees: engine/runtime/host_memory.py)
 TRIM_EVERY = 256 << 20
+
+
+def slot_bytes(nbytes: int) -> int:
+    """A storage's slot: its bytes rounded up to SLOT_ALIGN."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def enabled() -> bool:
@@ -58,11 +64,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     now (a KV cache's memory is taken at start, as with torch.zeros)."""
     if not enabled():
         return torch.zeros(shape, dtype=dtype)
-    count = 1
-    for size in shape:
-        count *= size
-    data = buffer(count * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
-    return data.zero_()
+    return buffer(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
 
 
 def place_weights(model: nn.Module) -> int:
@@ -78,19 +80,16 @@ def place_weights(model: nn.Module) -> int:
             continue
         storage = tensor.untyped_storage()
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
-    slots, total = {}, 0
-    for ptr, (storage, _) in storages.items():
-        slots[ptr] = total
-        total += -(-storage.nbytes() // SLOT_ALIGN) * SLOT_ALIGN
+    total = sum(slot_bytes(storage.nbytes()) for storage, _ in storages.values())
     if total == 0:
         return 0
     arena = buffer(total)
     base = arena.storage_offset()  # bytes from the mapping's start to the 2 MiB boundary
-    since_trim = 0
+    slot = since_trim = 0
     with torch.no_grad():
-        for ptr in slots:
+        for ptr in list(storages):
             storage, tensors = storages.pop(ptr)  # this function's reference goes with the loop's
-            slot, nbytes = slots[ptr], storage.nbytes()
+            nbytes = storage.nbytes()
             arena[slot : slot + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             for tensor in tensors:
                 size = tensor.element_size()
@@ -98,6 +97,7 @@ def place_weights(model: nn.Module) -> int:
                     tensor.shape, tensor.stride(), (base + slot) // size + tensor.storage_offset()
                 )
             del storage, tensors
+            slot += slot_bytes(nbytes)
             since_trim += nbytes
             if since_trim >= TRIM_EVERY:
                 return_free_memory()

@@ -573,6 +573,7 @@ bool run_decode_fast(const at::Tensor& q, at::Tensor& out, const CacheView& kc, 
   const int64_t items = seqs * kv_heads;
   const int64_t parts = decode_parts(items, *std::min_element(lens, lens + seqs));
   const int64_t part_floats = group * (d + 2);
+  constexpr bool kFloatOut = std::is_same_v<Q, float>;
   std::vector<float> partial(parts > 1 ? items * parts * part_floats : 0);
   at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qbuf[8 * 128];
@@ -586,12 +587,16 @@ bool run_decode_fast(const at::Tensor& q, at::Tensor& out, const CacheView& kc, 
       }
       const int64_t nblocks = (lens[s] + 15) / 16;
       const int64_t b0 = nblocks * part / parts, b1 = nblocks * (part + 1) / parts;
-      float* dst = parts > 1 ? partial.data() + unit * part_floats : result;
+      // a part's partial sums, or the result: fp32 straight into the output, bf16 through `result`
+      Q* out_rows = op + (s * heads + h * group) * d;
+      float* dst = result;
+      if (parts > 1) dst = partial.data() + unit * part_floats;
+      else if constexpr (kFloatOut) dst = out_rows;
       float* ml = parts > 1 ? dst + group * d : nullptr;
       const int32_t* table = tables + s * table_stride;
       if (d == 64) decode_item_any<T, 64>(qbuf, group, lens[s], table, h, kc, vc, dst, b0, b1, ml);
       else decode_item_any<T, 128>(qbuf, group, lens[s], table, h, kc, vc, dst, b0, b1, ml);
-      if (parts == 1) store_rows(result, group * d, op + (s * heads + h * group) * d);
+      if (parts == 1 && !kFloatOut) store_rows(result, group * d, out_rows);
     }
   });
   if (parts > 1) {
