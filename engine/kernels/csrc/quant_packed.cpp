@@ -9,14 +9,15 @@
 // Q4_0's m = -8 d), and nothing is summed across lanes. The rows are int16: each block of 32 of a
 // row's values is rounded to int16 with one power-of-two scale (quant_packed.h's int16_scale says how
 // close), and vpdpwssd (AVX-512 VNNI) multiplies a dword's two nibbles (elements 8g + j and 8g + j + 4,
-// moved into its words by one byte shuffle and a mask) by a pair of those int16 and sums both into
-// int32, exactly: 32 products an instruction, where fp32 FMAs on the same tiles took a shift, a permute
-// and an FMA for 16 (benchmarks/HISTORY.md, #41's sixth pass), so one row runs at what the cache
-// delivers rather than at ports 0 and 5. Each block's integer sum is scaled once (d times the row's
-// scale); the offset term keeps x's fp32 sums. Q6_K's word is its low nibble | its high 2 bits << 4
-// (q6k_tile_rows), its q - 32 through the int16 values' sums per 16; Q5_0/Q5_1/Q5_K's is Q4's pair with
-// the two values' high bits at bit 4 of each word (one shift of the high-bit plane, a mask), Q5_0's
-// offset -16 d. AVX2 does the same 8 columns at a time with vpmaddwd and an add (quant_packed_avx2.h).
+// moved into its words by one byte shuffle and a mask, the last pair by a word shift alone) by a pair
+// of those int16 and sums both into int32, exactly: 32 products an instruction, where fp32 FMAs on the
+// same tiles took a shift, a permute and an FMA for 16 (benchmarks/HISTORY.md, #41's sixth pass), so
+// one row runs at what the cache delivers rather than at ports 0 and 5. Each block's integer sum is
+// scaled once (d times the row's scale); the offset term keeps x's fp32 sums. Q6_K's word is its low
+// nibble | its high 2 bits << 4 (q6k_tile_rows), its q - 32 through the int16 values' sums per 16;
+// Q5_0/Q5_1/Q5_K's is Q4's pair with the two values' high bits at bit 4 of each word (one shift of the
+// high-bit plane, a mask), Q5_0's offset -16 d. AVX2 does the same 8 columns at a time with vpmaddwd
+// and an add (quant_packed_avx2.h).
 //
 // The packed layout (quant_packed.h has it byte by byte), for N a multiple of 16: the [N, row bytes]
 // tensor keeps its shape and byte count (resident bytes are the file's); tiles of 16 columns hold
@@ -386,6 +387,13 @@ inline __m512i nibble_pairs(__m512i group, int j) {
 #endif
 }
 
+// Nibbles j and j + 4 of each dword as its two words, 0..15: the last pair is a word shift alone (the
+// nibbles at the top of the words), the others masked.
+inline __m512i nibble_pair_words(__m512i group, int j, __m512i low4) {
+  if (j == 3) return _mm512_srli_epi16(group, 12);
+  return _mm512_and_si512(nibble_pairs(group, j), low4);
+}
+
 // A Q5 high-bit plane's bits of pair p = 4g + j (elements 8g + j and 8g + j + 4: q5_high_bit's 4g + j
 // and 16 + 4g + j) moved to bits 4 and 20 (a with 0x00100010 keeps them; the rest is garbage).
 inline __m512i q5_pair_bits(const uint8_t* plane, int p) {
@@ -421,17 +429,18 @@ void q4_tile_rows(const RowsI16& x, int64_t k, const float* xsum, const uint8_t*
     const Sub sub = packed_sub<F>(w, t, b, nb);
     prefetch_block<F>(sub.values);
     __m512i sum[R][kChains<R>];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChains<R>; ++c) sum[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
       const __m512i group = _mm512_loadu_si512(sub.values + 64 * g);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        __m512i q = _mm512_and_si512(nibble_pairs(group, j), low4);
+        __m512i q = nibble_pair_words(group, j, low4);
         if constexpr (q5_format(F)) q = _mm512_ternarylogic_epi32(q, q5_pair_bits(sub.values + 256, 4 * g + j), bit4, 0xF8);
         for (int r = 0; r < R; ++r) {
-          __m512i& chain = sum[r][j % kChains<R>];
-          chain = _mm512_dpwssd_epi32(chain, q, _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]));
+          __m512i& chain = sum[r][(4 * g + j) % kChains<R>];
+          const __m512i xv = _mm512_set1_epi32(x.pairs[(r * k + b * kBlock) / 2 + 4 * g + j]);
+          // a chain's first product starts it (vpmaddwd) rather than adding to a zeroed register
+          chain = 4 * g + j < kChains<R> ? _mm512_madd_epi16(q, xv) : _mm512_dpwssd_epi32(chain, q, xv);
         }
       }
     }
