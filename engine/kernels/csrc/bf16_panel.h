@@ -33,6 +33,24 @@ constexpr int64_t kMR = 8;    // rows per register block: 24 accumulators, 3 pan
 constexpr int64_t kKC = 1536;
 constexpr int64_t kMC = 64;   // rows per work item
 
+// Pairs of K before a block's end at which it takes its output rows' lines for writing (PREFETCHW, as
+// fp32_panel.h's item does a block ahead): a GEMM's output is a fresh buffer, and the epilogue's stores
+// that missed the caches held the loop up behind them. ~1,150 cycles of multiply-adds ahead; SmolLM2's
+// projections at 2,048 rows on the Zen 4, both ways in one process: 2-9 % faster (benchmarks/HISTORY.md,
+// #41's seventeenth pass).
+constexpr int64_t kOwnAhead = 48;
+
+// Rows [0, MR) of y's 48 columns (96 bytes a row, two or three lines), owned for writing.
+template <int MR>
+inline void own_rows(const uint16_t* y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m) {
+    const char* row = reinterpret_cast<const char*>(y + m * ldy);
+    _mm_prefetch(row, _MM_HINT_ET0);
+    _mm_prefetch(row + 64, _MM_HINT_ET0);
+    _mm_prefetch(row + 2 * kNR - 1, _MM_HINT_ET0);
+  }
+}
+
 // out[0..MR) x [0..48) = in (or the bias, or zero, where in is null) + a[0..MR) x [0, kc) . b, fp32.
 // a: bf16 rows (stride lda elements), read as 32-bit pairs; b: the panel's slice, kc/2 rows of 48
 // pairs. `in`/`out`: the item's fp32 buffer (row stride 48). On the last pass `y` (bf16, row stride
@@ -46,7 +64,9 @@ inline void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc,
     for (int m = 0; m < MR; ++m) acc[m][v] = in ? _mm512_loadu_ps(in + m * kNR + 16 * v) : init;
   }
   const int64_t pairs = kc / 2, per = (pf_lines + pairs - 1) / std::max<int64_t>(pairs, 1);
+  const int64_t own_at = y ? pairs - std::min(pairs, kOwnAhead) : -1;
   for (int64_t kk = 0; kk < pairs; ++kk) {
+    if (kk == own_at) own_rows<MR>(y, ldy);
     for (int64_t j = kk * per; j < std::min(pf_lines, (kk + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
     const uint16_t* bk = b + kk * 2 * kNR;
     const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
