@@ -96,7 +96,7 @@ def test_few_long_sequences_split_across_threads_match_reference(kind, heads, kv
 @pytest.mark.parametrize("lens", [[1, 16, 45, 333, 130], [333]])
 def test_a_bf16_query_gives_the_float32_querys_result_rounded_bit_for_bit(lens, block_size):
     """The fused decode hands the op a bf16 model's query as it is and takes its result in bf16
-    (decode_layers.cpp); the Python path converts both ways around it. The same numbers either way."""
+    (decode_layers.cpp), and so does the Python path: the same numbers as a float32 query's, rounded."""
     cache = Paged(lens, block_size, 3, 64, dtype=torch.bfloat16, seed=block_size)
     q = strided_q(len(lens), 9, 64, seed=len(lens), dtype=torch.bfloat16)
     rest = (*cache.cache_args(), cache.block_tables.to(torch.int32), cache.seq_lens, 0.125, None, None)

@@ -27,6 +27,11 @@ needs_thp = pytest.mark.skipif(
 )
 
 
+needs_placement = pytest.mark.skipif(
+    not huge_pages.enabled(), reason="huge pages are off here (KVTOP_HUGE_PAGES=0, or no MADV_HUGEPAGE)"
+)
+
+
 def huge_bytes_at(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address`."""
     inside = False
@@ -50,9 +55,8 @@ class Tied(nn.Module):
         self.register_buffer("rows", self.table[8:16])  # a view of another buffer's storage
 
 
+@needs_placement
 def test_weights_move_with_their_values_ties_and_views_kept():
-    if not huge_pages.enabled():
-        pytest.skip("huge pages are off here (KVTOP_HUGE_PAGES=0, or no MADV_HUGEPAGE)")
     model = Tied()
     before = {name: t.clone() for name, t in (*model.named_parameters(), *model.named_buffers())}
     storages = (model.head.weight, model.head.bias, model.table)  # the view's and the tie's are these
@@ -78,7 +82,7 @@ def test_the_moved_weights_are_held_once():
     model = nn.Linear(4096, 4096, bias=False)  # 64 MiB: freed to the OS as soon as nothing holds it
     before = resident_bytes()
     if not huge_pages.place_weights(model):
-        pytest.skip("huge pages are off here (KVTOP_HUGE_PAGES=0, or no MADV_HUGEPAGE)")
+        pytest.skip(needs_placement.kwargs["reason"])
     assert resident_bytes() - before < 16 << 20  # the old copy went; it would be 64 MiB more
 
 

@@ -159,8 +159,8 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   }
   o.rope.call(q, k, cos, sin);  // in place
   o.store_kv.call(k, v, k_cache, v_cache, slots);
-  // a bf16 query goes in as it is, its result comes back in bf16 (rounded in the kernel as .to rounds:
-  // the numbers of engine/kernels/cpu.py's wrapper, which converts both ways); others in float32
+  // a bf16 query goes in as it is, its result comes back in bf16 (rounded in the kernel as .to rounds,
+  // as engine/kernels/cpu.py's wrapper hands it over too); others in float32
   at::Tensor qf = q.scalar_type() == at::kBFloat16 ? q : q.to(at::kFloat);
   if (qf.stride(-1) != 1) qf = qf.contiguous();
   const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
