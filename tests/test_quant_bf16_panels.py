@@ -24,12 +24,16 @@ GEMV_ROWS = gemv_rows() if kernel_available() else 4
 
 # (rows, N, K): just past the decode rows; a partial 8-row block and N not a multiple of 48 (a panel's
 # columns past N zero); 64 rows (one item's register blocks) against K past two passes of 1,536 (an
-# odd number of 32-blocks); 300 rows (two items of up to 256) against SmolLM2's K = 576
+# odd number of 32-blocks); 300 rows (two items of up to 256) against SmolLM2's K = 576. A packed
+# weight's next panel is de-quantized while the one before multiplies: one panel for many row chunks
+# (none to make), and a thread's run going on from a chunk's last panel to the next chunk's first
 SHAPES = [
     (GEMV_ROWS + 1, 16, 32),
     (17, 80, 96),
     (64, 48, 3104),
     (300, 208, 576),
+    (300, 48, 64),
+    (520, 144, 64),
 ]
 
 

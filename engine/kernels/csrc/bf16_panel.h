@@ -51,13 +51,22 @@ inline void own_rows(const uint16_t* y, int64_t ldy) {
   }
 }
 
+// Work run beside a block's multiply-adds, a piece every few pairs of K, where the out-of-order core
+// overlaps it with them: quant_gemm.cpp's de-quantization of the next panel (its NextPanel). `unit()`
+// is called after every `every` pairs; NoSide, bf16_gemm's, has none.
+struct NoSide {
+  static constexpr bool kActive = false;
+  static constexpr int64_t every = 1;
+  void unit() {}
+};
+
 // out[0..MR) x [0..48) = in (or the bias, or zero, where in is null) + a[0..MR) x [0, kc) . b, fp32.
 // a: bf16 rows (stride lda elements), read as 32-bit pairs; b: the panel's slice, kc/2 rows of 48
 // pairs. `in`/`out`: the item's fp32 buffer (row stride 48). On the last pass `y` (bf16, row stride
 // ldy) takes the rounded result instead of `out`, when `y` is set.
-template <int MR>
+template <int MR, typename Side>
 inline void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, const float* in, const float* bias,
-                  float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines) {
+                  float* out, uint16_t* y, int64_t ldy, const char* pf, int64_t pf_lines, Side* side) {
   __m512 acc[MR][3];
   for (int v = 0; v < 3; ++v) {
     const __m512 init = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
@@ -65,21 +74,28 @@ inline void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc,
   }
   const int64_t pairs = kc / 2, per = (pf_lines + pairs - 1) / std::max<int64_t>(pairs, 1);
   const int64_t own_at = y ? pairs - std::min(pairs, kOwnAhead) : -1;
-  for (int64_t kk = 0; kk < pairs; ++kk) {
-    if (kk == own_at) own_rows<MR>(y, ldy);
-    for (int64_t j = kk * per; j < std::min(pf_lines, (kk + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
-    const uint16_t* bk = b + kk * 2 * kNR;
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 32));
-    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 64));
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a + m * lda + 2 * kk, sizeof(pair));
-      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], av, b0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], av, b1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], av, b2);
+  // in stretches of the side work's pairs, each a loop of its own: a call inside the multiply-adds' loop
+  // would make the compiler keep the accumulators in memory across all of it
+  const int64_t stretch = Side::kActive ? side->every : pairs;
+  for (int64_t k0 = 0; k0 < pairs; k0 += stretch) {
+    const int64_t k1 = std::min(pairs, k0 + stretch);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      if (kk == own_at) own_rows<MR>(y, ldy);
+      for (int64_t j = kk * per; j < std::min(pf_lines, (kk + 1) * per); ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+      const uint16_t* bk = b + kk * 2 * kNR;
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
+      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 32));
+      const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 64));
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, a + m * lda + 2 * kk, sizeof(pair));
+        const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], av, b0);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], av, b1);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], av, b2);
+      }
     }
+    if constexpr (Side::kActive) side->unit();
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 3; ++v) {
@@ -90,20 +106,22 @@ inline void block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc,
     }
 }
 
-template <int MR>
+template <int MR, typename Side>
 inline void block_or_smaller(int64_t mr, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc,
                              const float* in, const float* bias, float* out, uint16_t* y, int64_t ldy, const char* pf,
-                             int64_t pf_lines) {
+                             int64_t pf_lines, Side* side) {
   if constexpr (MR > 1) {
-    if (mr < MR) return block_or_smaller<MR - 1>(mr, a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
+    if (mr < MR) return block_or_smaller<MR - 1>(mr, a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines, side);
   }
-  block<MR>(a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines);
+  block<MR>(a, lda, b, kc, in, bias, out, y, ldy, pf, pf_lines, side);
 }
 
 // One work item: rows [m0, m1) of x against panel p, all of K (fp32_gemm.cpp's panel_item). A short
-// last panel's rows end in the fp32 buffer; their valid columns are rounded into y from there.
+// last panel's rows end in the fp32 buffer; their valid columns are rounded into y from there. `side`:
+// work to run beside the multiply-adds (NoSide above).
+template <typename Side = NoSide>
 inline void panel_item(const uint16_t* x, int64_t m0, int64_t m1, int64_t k, const uint16_t* panel, int64_t n0,
-                       int64_t n, const float* bias, uint16_t* y, const uint16_t* next) {
+                       int64_t n, const float* bias, uint16_t* y, const uint16_t* next, Side* side = nullptr) {
   alignas(64) float buf[kMC * kNR];
   alignas(64) float padded_bias[kNR] = {};
   const int64_t cols = std::min(kNR, n - n0);
@@ -120,7 +138,7 @@ inline void panel_item(const uint16_t* x, int64_t m0, int64_t m1, int64_t k, con
       float* slot = buf + (m - m0) * kNR;
       block_or_smaller<kMR>(std::min(kMR, m1 - m), x + m * k + k0, k, panel + k0 * kNR, kc, k0 == 0 ? nullptr : slot,
                             (k0 == 0 && bias) ? padded_bias : nullptr, slot, to_y ? y + m * n + n0 : nullptr, n, pf,
-                            prefetch.count(i));
+                            prefetch.count(i), side);
     }
   }
   if (!whole) {

@@ -36,7 +36,8 @@
 // 8-lane register — at a time: quant_packed_avx2.h, which this file's gemv and dequant_panel call there.
 //
 // quant_linear (quant_gemm.cpp) routes a packed format (its ggml type + kPackedFormat) here (up to 4
-// rows), to AMX or, without it, the bf16 panels (more bf16 rows: dequant_bf16_panel below) or to the
+// rows), to AMX or, without it, the bf16 panels (more bf16 rows: quant_gemm.cpp makes them of
+// quant_packed.h's bf16_pairs) or to the
 // fp32 panels (the rest); only the reference unpacks it to the file's layout (quant_unpack, a copy of
 // the weight's bytes).
 
@@ -722,31 +723,6 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
 #else
   (void)w, (void)format, (void)p, (void)n, (void)k, (void)width, (void)out;
   TORCH_CHECK(false, "quant_packed: this build has no AVX2 with FMA and F16C");
-#endif
-}
-
-// Columns [48p, 48p + 48) of a packed weight as a bf16 panel: out [K/2, 48, 2], pair row i holding
-// W[col, 2i] and W[col, 2i + 1] of each column (bf16_gemm.cpp's layout, csrc/bf16_panel.h) — the
-// reference's values rounded to bf16 to nearest even (bf16_pairs), so exactly a bf16 model's weight,
-// zero past N — for quant_gemm.cpp's quant_bf16_gemm (bf16 rows past the decode rows, without AMX).
-void dequant_bf16_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64_t k, uint16_t* out) {
-#ifdef KVTOP_QUANT_PACKED
-  constexpr int64_t kTiles = kvtop_panels::kPanel / kTile, kPairRow = 2 * kvtop_panels::kPanel;
-  const int64_t nb = k / kBlock;
-  for (int64_t i = 0; i < kTiles; ++i) {
-    const int64_t t = p * kTiles + i;
-    uint16_t* seg = out + i * 2 * kTile;
-    if (t * kTile >= n) {
-      for (int64_t row = 0; row < k / 2; ++row) std::memset(seg + row * kPairRow, 0, 2 * kTile * sizeof(uint16_t));
-      continue;
-    }
-    kvtop_quant::by_format(format, [&](auto f) {
-      for (int64_t b = 0; b < nb; ++b) bf16_pairs<decltype(f)::value>(w, t, b, nb, seg + b * (kBlock / 2) * kPairRow, kPairRow);
-    });
-  }
-#else
-  (void)w, (void)format, (void)p, (void)n, (void)k, (void)out;
-  TORCH_CHECK(false, "quant_packed: this build has no AVX-512 with BF16");
 #endif
 }
 
