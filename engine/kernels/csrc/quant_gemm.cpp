@@ -309,8 +309,8 @@ void bf16_pairs_of(const float* panel, int64_t k, uint16_t* out) {
 // What is left is mostly the de-quantization's own FMA (d * q + m) on those pipes. Units a call: the
 // call saves and restores the accumulators around it. SmolLM2's projections at 64 rows on the Zen 4,
 // alternated in one process, against each panel de-quantized before its multiply-adds: a unit a call
-// 1-6 % faster, 2 units 4-6 % (the Q8_0 head 12 % both), 3 and 4 within 2 % of 2; at 16 rows 2-4 %
-// (the head 21 %), at 2,048 5 %; results bit for bit the same.
+// 1-6 % faster, 2 units 4-6 % (the Q8_0 head 12 % both), 3 or 4 no better; at 16 rows 1-4 % (the head
+// 21 %), at 2,048 5 %; results bit for bit the same (benchmarks/HISTORY.md, #41's eighteenth pass).
 constexpr int64_t kUnitsAtOnce = 2;
 
 template <int64_t F>
