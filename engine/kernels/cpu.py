@@ -151,14 +151,11 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _cpp_kernel(
-    op_name: str, oracle: Callable[..., torch.Tensor], query_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-) -> Callable[..., torch.Tensor]:
+def _cpp_kernel(op_name: str, oracle: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The C++ op `op_name` behind the oracle's own signature and docstring (`functools.wraps`),
-    so the backends cannot drift apart: arguments are bound by the oracle's names, then the query
-    goes in as it is where the op reads its dtype (`query_dtypes`), else as float32 (16-bit queries
-    are small next to the cache), the block tables as int32, and the result comes back in the
-    query's dtype."""
+    so the backends cannot drift apart: arguments are bound by the oracle's names, the block tables
+    go in as int32; the op takes the query as it is (converting what its kernels do not read) and
+    answers in the query's dtype."""
     signature = inspect.signature(oracle)
     names = list(signature.parameters)
 
@@ -169,20 +166,14 @@ def _cpp_kernel(
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
         a = dict(zip(names, args, strict=True))
-        q = a["q"]
-        rows = q if q.dtype in query_dtypes else q.float()
-        a["q"] = rows if rows.stride(-1) == 1 else rows.contiguous()
         a["block_tables"] = a["block_tables"].to(torch.int32).contiguous()
         a["scale"] = float(a["scale"])
-        return getattr(torch.ops.kvtop_cpu, op_name)(*a.values()).to(q.dtype)
+        return getattr(torch.ops.kvtop_cpu, op_name)(*a.values())
 
     return kernel
 
 
-# a bf16 query is read and its result rounded in the op (as `.to` would round it), so it goes in as it is
-paged_decode_attention = _cpp_kernel(
-    "paged_decode", reference.paged_decode_attention, query_dtypes=(torch.float32, torch.bfloat16)
-)
+paged_decode_attention = _cpp_kernel("paged_decode", reference.paged_decode_attention)
 # the C++ prefill kernel whatever the chunk length (tests and benchmarks/cpu_attention.py call it)
 inplace_prefill_attention = _cpp_kernel("paged_prefill", reference.paged_prefill_attention)
 

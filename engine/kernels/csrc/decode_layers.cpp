@@ -159,12 +159,8 @@ at::Tensor layer(int64_t i, const at::Tensor& x, at::Tensor& residual, const at:
   }
   o.rope.call(q, k, cos, sin);  // in place
   o.store_kv.call(k, v, k_cache, v_cache, slots);
-  // a bf16 query goes in as it is, its result comes back in bf16 (rounded in the kernel as .to rounds,
-  // as engine/kernels/cpu.py's wrapper hands it over too); others in float32
-  at::Tensor qf = q.scalar_type() == at::kBFloat16 ? q : q.to(at::kFloat);
-  if (qf.stride(-1) != 1) qf = qf.contiguous();
-  const at::Tensor attn = o.decode.call(qf, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt)
-                              .to(q.scalar_type());
+  // the op takes the query as it is and answers in its dtype
+  const at::Tensor attn = o.decode.call(q, k_cache, v_cache, tables, lens, s.scale, std::nullopt, std::nullopt);
   h = o.add_norm.call(proj(1, attn.reshape({n, q_size})), residual, norms[2 * i + 1], s.eps);
   // the gate/up kinds with SiLU-and-mul in their epilogue: AMXGateUp's, PanelGateUp's and QuantGateUp's silu_and_mul
   if (kinds[p + 2] == 4) return proj(3, o.gate_up.call(h, weights[p + 2], biases.get(p + 2), out[2] / 2, true));

@@ -723,11 +723,17 @@ at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_floating_point() && k_cache.dim() == 4, "q: [tokens, heads, dim], floating point");
+  // the kernels read float32 rows, and bf16 ones on the fast path (rounding the result as .to would);
+  // any other query goes in as float32 rows and its result comes back in the query's dtype
+  const bool as_is = q.scalar_type() == at::kFloat ||
+                     (q.scalar_type() == at::kBFloat16 &&
+                      decode_fast_covers(q.size(1), k_cache.size(2), q.size(2), k_cache.size(1)));
+  if (!as_is || q.stride(2) != 1)
+    return paged_decode((as_is ? q : q.to(at::kFloat)).contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
+                        k_scale, v_scale)
+        .to(q.scalar_type());
   check_inputs(q, k_cache, v_cache, block_tables);
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16");
-  if (q.scalar_type() == at::kBFloat16 && !decode_fast_covers(q.size(1), k_cache.size(2), q.size(2), k_cache.size(1)))
-    return paged_decode(q.to(at::kFloat), k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-        .to(at::kBFloat16);  // the general kernel takes fp32 rows
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(lens.numel() == q.size(0), "one seq_len per query token");
@@ -741,8 +747,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                          double scale, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_floating_point(), "q: [tokens, heads, dim], floating point");
+  if (q.scalar_type() != at::kFloat || q.stride(2) != 1)  // the kernels read float32 rows
+    return paged_prefill(q.to(at::kFloat).contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                         k_scale, v_scale)
+        .to(q.scalar_type());
   check_inputs(q, k_cache, v_cache, block_tables);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   const at::Tensor cu = cu_seqlens_q.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t *cp = cu.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();

@@ -37,9 +37,8 @@
 //
 // quant_linear (quant_gemm.cpp) routes a packed format (its ggml type + kPackedFormat) here (up to 4
 // rows), to AMX or, without it, the bf16 panels (more bf16 rows: quant_gemm.cpp makes them of
-// quant_packed.h's bf16_pairs) or to the
-// fp32 panels (the rest); only the reference unpacks it to the file's layout (quant_unpack, a copy of
-// the weight's bytes).
+// quant_packed.h's bf16_pairs) or to the fp32 panels (the rest); only the reference unpacks it to the
+// file's layout (quant_unpack, a copy of the weight's bytes).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
