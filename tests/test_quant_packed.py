@@ -148,18 +148,20 @@ def test_more_rows_get_what_the_files_layout_gives_bit_for_bit(fmt):
 
 @needs_gate_up
 @pytest.mark.parametrize("fmt", PACKED_FORMATS, ids=lambda f: f.name)
-def test_a_gate_up_packed_in_tile_pairs_gives_the_dense_order_and_silu_and_mul_bit_for_bit(fmt):
-    """An MLP's gate/up (I = 48: three tiles of gate, three of up) with its tiles in gate/up pairs:
-    forward is the packed layer's output in the dense [gate, up] order, and silu_and_mul the cpu
-    kernels' SiLU-and-mul of it, exactly — decode rows through the tile pairs, more bf16 rows from
-    AMX's epilogue where the CPU has it (300 rows: the prefill slabs) — the same bytes held."""
-    inter, k = 48, 160
+@pytest.mark.parametrize(("inter", "bias"), [(48, True), (320, False)], ids=["48-bias", "320"])
+def test_a_gate_up_packed_in_tile_pairs_gives_the_dense_order_and_silu_and_mul_bit_for_bit(fmt, inter, bias):
+    """An MLP's gate/up (I = 48: three tiles of gate, three of up; I = 320: twenty pairs, split across
+    threads) with its tiles in gate/up pairs: forward is the packed layer's output in the dense
+    [gate, up] order, and silu_and_mul the cpu kernels' SiLU-and-mul of it, exactly — decode rows
+    (1 to 4) with SiLU-and-mul on each tile pair as it is made, more bf16 rows from AMX's epilogue where
+    the CPU has it (300 rows: the prefill slabs) — the same bytes held."""
+    k = 160
     plain, packed = layer_pair(fmt, 2 * inter, k, seed=7)
-    packed.bias = plain.bias = torch.randn(2 * inter)
+    packed.bias = plain.bias = torch.randn(2 * inter) if bias else None
     gate_up = QuantGateUp.from_linear(plain)
     assert gate_up.packed and gate_up.blocks.shape == plain.blocks.shape
     assert torch.equal(gate_up.dense_weight(), plain.dense_weight())
-    for rows in (1, GEMV_ROWS, GEMV_ROWS + 1, 17, 64, 300):
+    for rows in (1, 2, 3, GEMV_ROWS, GEMV_ROWS + 1, 17, 64, 300):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, plain.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
             dense = packed(x)

@@ -81,6 +81,8 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t p, int64_t n, int64
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias);
 at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu);
+at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t inter,
+                         const std::optional<at::Tensor>& bias);
 }  // namespace kvtop_packed
 
 namespace {
@@ -466,17 +468,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
 // engine/model/quant_linear.py's QuantGateUp; the bias, if any, in that order): silu false, the
 // [..., 2 * inter] output in the dense order (gate, then up), quant_linear's values on the weight as
 // the file holds it; silu true, silu_and_mul of that, [..., inter], bit for bit. Many bf16 rows on
-// AMX run SiLU-and-mul in the tiles' epilogue (the 2 * inter columns never stored); any other rows
-// through quant_linear, then SiLU-and-mul over the tile pairs.
+// AMX run SiLU-and-mul in the tiles' epilogue (the 2 * inter columns never stored), and so do decode
+// rows (quant_packed.cpp's gemv_silu_mul, a tile pair at a time); any other rows through quant_linear,
+// then SiLU-and-mul over the tile pairs.
 at::Tensor quant_gate_up(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t inter,
                          const std::optional<at::Tensor>& bias, bool silu) {
   static const bool tiles = kvtop_amx::quant_tiles_supported();
   TORCH_CHECK(kvtop_packed::gate_up_supported(), "quant_gate_up: this build has no AVX-512 with BF16");
   TORCH_CHECK(format >= kPackedFormat && inter % 16 == 0, "quant_gate_up: a packed weight of gate/up tile pairs expected");
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  const at::Tensor y = tiles && x2.scalar_type() == at::kBFloat16 && x2.size(0) > kGemvRows
-                           ? kvtop_amx::quant_tiles_gate_up(x2, blocks, format, inter, bias, silu)
-                           : kvtop_packed::gate_up_tiles(quant_linear(x2, blocks, format, 2 * inter, bias), inter, silu);
+  at::Tensor y;
+  if (silu && x2.size(0) <= kGemvRows && kvtop_packed::gemv_takes(x2))
+    y = kvtop_packed::gemv_silu_mul(x2, blocks, format - kPackedFormat, inter, bias);
+  else if (tiles && x2.scalar_type() == at::kBFloat16 && x2.size(0) > kGemvRows)
+    y = kvtop_amx::quant_tiles_gate_up(x2, blocks, format, inter, bias, silu);
+  else
+    y = kvtop_packed::gate_up_tiles(quant_linear(x2, blocks, format, 2 * inter, bias), inter, silu);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = y.size(1);
   return y.view(shape);

@@ -528,25 +528,29 @@ void q6k_tile_rows(const RowsI16& x, int64_t k, const uint8_t* w, int64_t t, int
   for (int r = 0; r < R; ++r) store16(y + r * ldy, _mm512_add_ps(acc[r], bv));
 }
 
-// Tiles [t0, t1) for m rows (1..4) of x as int16 rows into y; xsum: Q4's per-block sums of x (fp32).
+// Tile t's 16 columns for m rows (1..4) of x as int16 rows into y [m, 16] at stride ldy; bias: the
+// tile's 16 (or none); xsum: Q4's per-block sums of x (fp32).
+template <int64_t F, typename T>
+void tile(const RowsI16& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t, const float* bias,
+          T* y, int64_t ldy) {
+  const int64_t nb = k / kBlock;
+  auto run = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (F == kQ8_0)
+      q8_tile_rows<T, R>(x, k, w, t, nb, bias, y, ldy);
+    else if constexpr (F == kQ6_K)
+      q6k_tile_rows<T, R>(x, k, w, t, nb, bias, y, ldy);
+    else
+      q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bias, y, ldy);
+  };
+  by_rows(m, run);
+}
+
+// Tiles [t0, t1) for m rows (1..4) of x as int16 rows into y [m, n].
 template <int64_t F, typename T>
 void tiles(const RowsI16& x, int64_t m, int64_t k, const float* xsum, const uint8_t* w, int64_t t0, int64_t t1,
            const float* bias, T* y, int64_t n) {
-  const int64_t nb = k / kBlock;
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* bt = bias ? bias + t * kTile : nullptr;
-    T* yt = y + t * kTile;
-    auto run = [&](auto rows) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (F == kQ8_0)
-        q8_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
-      else if constexpr (F == kQ6_K)
-        q6k_tile_rows<T, R>(x, k, w, t, nb, bt, yt, n);
-      else
-        q4_tile_rows<F, T, R>(x, k, xsum, w, t, nb, bt, yt, n);
-    };
-    by_rows(m, run);
-  }
+  for (int64_t t = t0; t < t1; ++t) tile<F>(x, m, k, xsum, w, t, bias ? bias + t * kTile : nullptr, y + t * kTile, n);
 }
 
 }  // namespace
@@ -609,24 +613,17 @@ bool gemv_takes(const at::Tensor& x) {
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
 }
 
-// x [M <= 4, K] bf16 or fp32 @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above).
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
-                const std::optional<at::Tensor>& bias) {
-  check_packable(packed, format, n, "quant_packed_gemv");
-  TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX2 with FMA and F16C");
-  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
-  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
-  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
-  TORCH_CHECK(k % group_values == 0 && packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
-              "quant_packed_gemv: x's K does not match the weight's");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "quant_packed_gemv: bias must be a contiguous float32 [N]");
-  at::Tensor y = at::empty({m, n}, x.options());
 #ifdef KVTOP_QUANT_PACKING
-  if (m == 0) return y;
-  // x in fp32: widened here rather than by x.to(kFloat), whose dispatch and allocation cost more than
-  // the conversion of a few rows (a decode step makes ~90 of these calls)
+namespace {
+
+// What gemv and gemv_silu_mul do before their tiles, on the calling thread, once their checks pass:
+// take x in fp32 (a bf16 x widened here rather than by x.to(kFloat), whose dispatch and allocation
+// cost more than the conversion of a few rows: a decode step makes ~90 of these calls), Q4's
+// per-block sums of x (the offset term; Q8_0 and Q6_K have none), x as int16 rows; then
+// run(f, rows, xsum) with f the weight's format as a constant. m is not 0.
+template <typename Run>
+void with_rows(const at::Tensor& x, int64_t format, const Run& run) {
+  const int64_t k = x.size(1), m = x.size(0), nb = k / kBlock;
   const at::Tensor xc = x.contiguous();  // x itself where it already is
   thread_local kvtop::AlignedVector<float> widened;
   const float* xp = nullptr;
@@ -646,31 +643,114 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
     }
     xp = out;
   }
-  // the offset term's per-block sums of x, once per call (Q8_0 and Q6_K have none)
   std::vector<float> xsum(format == kQ8_0 || format == kQ6_K ? 0 : m * nb);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) xsum[i] = block_sum(xp + i * kBlock);
+  kvtop_quant::by_format(format, [&](auto f) {  // every format the kernels run is packed
+    thread_local RowsI16 quantized;
+    quantize_rows<decltype(f)::value>(xp, m, k, quantized);
+    const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
+    run(f, rows, xsum.data());
+  });
+}
+
+// Tiles a task: ~16 KiB of weight, so that the small projections still split across threads.
+int64_t tiles_per_task(const at::Tensor& packed) {
+  return std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
+}
+
+}  // namespace
+#endif
+
+// x [M <= 4, K] bf16 or fp32 @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
+                const std::optional<at::Tensor>& bias) {
+  check_packable(packed, format, n, "quant_packed_gemv");
+  TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX2 with FMA and F16C");
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
+  const int64_t k = x.size(1), m = x.size(0);
+  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
+  TORCH_CHECK(k % group_values == 0 && packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
+              "quant_packed_gemv: x's K does not match the weight's");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "quant_packed_gemv: bias must be a contiguous float32 [N]");
+  at::Tensor y = at::empty({m, n}, x.options());
+#ifdef KVTOP_QUANT_PACKING
+  if (m == 0) return y;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  // grain: ~16 KiB of weight a task, so that the small projections still split across threads
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / (kTile * packed.size(1)));
-  auto body = [&](auto f, auto* yp) {
+  with_rows(x, format, [&](auto f, const RowsI16& rows, const float* xsum) {
     constexpr int64_t F = decltype(f)::value;
-    thread_local RowsI16 quantized;
-    const RowsI16& rows = quantized;  // this thread's: the workers read it through this reference
-    quantize_rows<F>(xp, m, k, quantized);
-    at::parallel_for(0, n / kTile, grain, [&](int64_t t0, int64_t t1) {
-      tiles<F>(rows, m, k, xsum.data(), wp, t0, t1, bp, yp, n);
-    });
-  };
-  auto by_output = [&](auto f) {
+    auto into = [&](auto* yp) {
+      at::parallel_for(0, n / kTile, tiles_per_task(packed), [&](int64_t t0, int64_t t1) {
+        tiles<F>(rows, m, k, xsum, wp, t0, t1, bp, yp, n);
+      });
+    };
     if (x.scalar_type() == at::kFloat)
-      body(f, y.data_ptr<float>());
+      into(y.data_ptr<float>());
     else
-      body(f, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-  };
-  kvtop_quant::by_format(format, by_output);  // every format the kernels run is packed
+      into(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  });
 #endif
   return y;
+}
+
+// SiLU-and-mul of a gate/up weight packed with gate and up tiles alternating (gate_up_tiles below):
+// x [M <= 4, K] bf16 or fp32 -> [M, inter] in x's dtype, silu(gate) * up. Each task computes a tile
+// pair into a small buffer in x's dtype and writes its SiLU-and-mul: the values gemv followed by
+// gate_up_tiles give, bit for bit, without the [M, 2 inter] output, its second pass over it, and that
+// call's parallel region (SmolLM2 Q4_1, one sequence, a Zen 4: ~2.5 us a layer).
+at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t inter,
+                         const std::optional<at::Tensor>& bias) {
+  check_packable(packed, format, 2 * inter, "quant_gate_up");
+  TORCH_CHECK(gate_up_supported(), "quant_gate_up: this build has no AVX-512 with BF16");
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_gate_up: x must be a bfloat16 or float32 [M <= 4, K]");
+  const int64_t k = x.size(1), m = x.size(0);
+  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
+  TORCH_CHECK(inter % kTile == 0 && k % group_values == 0 &&
+                  packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
+              "quant_gate_up: x's K does not match the weight's");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * inter && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "quant_gate_up: bias must be a contiguous float32 [2 * inter]");
+  at::Tensor out = at::empty({m, inter}, x.options());
+#ifdef KVTOP_QUANT_PACKED
+  if (m == 0) return out;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  with_rows(x, format, [&](auto f, const RowsI16& rows, const float* xsum) {
+    constexpr int64_t F = decltype(f)::value;
+    // load/store: a 16-lane row segment of T; round_silu: bf16's SiLU rounded before the product
+    auto into = [&](auto* op, auto load, auto store, auto round_silu) {
+      using T = std::remove_pointer_t<decltype(op)>;
+      at::parallel_for(0, inter / kTile, std::max<int64_t>(1, tiles_per_task(packed) / 2), [&](int64_t p0, int64_t p1) {
+        alignas(64) T pair[4 * 2 * kTile];  // up to 4 rows of a gate tile, then its up tile
+        for (int64_t p = p0; p < p1; ++p) {
+          for (int64_t half = 0; half < 2; ++half) {
+            const int64_t t = 2 * p + half;
+            tile<F>(rows, m, k, xsum, wp, t, bp ? bp + t * kTile : nullptr, pair + half * kTile, 2 * kTile);
+          }
+          for (int64_t r = 0; r < m; ++r) {
+            const T* gate = pair + r * 2 * kTile;
+            store(op + r * inter + p * kTile,
+                  kvtop_simd::silu_mul16<decltype(round_silu)::value>(load(gate), load(gate + kTile)));
+          }
+        }
+      });
+    };
+    if (x.scalar_type() == at::kFloat) {
+      into(out.data_ptr<float>(), [](const float* p) { return _mm512_loadu_ps(p); },
+           [](float* p, __m512 v) { _mm512_storeu_ps(p, v); }, std::false_type{});
+    } else {
+      into(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+           [](const uint16_t* p) { return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); },
+           [](uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvtop_simd::bf16_pack(v)); },
+           std::true_type{});
+    }
+  });
+#endif
+  return out;
 }
 
 // Tile t's 16 columns of every sub-block as a 16-lane segment of the panel rows (dequant_panel, below).
