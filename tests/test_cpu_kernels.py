@@ -92,6 +92,23 @@ def test_few_long_sequences_split_across_threads_match_reference(kind, heads, kv
     torch.testing.assert_close(out, ref.paged_decode_attention(*args, **cache.scales()), **FP32_TOL)
 
 
+def test_decode_reads_int32_lengths_in_place_and_any_other_integer_dtype_alike():
+    """The engine's int32 seq_lens are read where they lie (a strided view too); int64 ones go through
+    a conversion: the same lengths, the same result; lengths that do not match the queries are refused."""
+    lens = [1, 16, 45, 333, 130]
+    cache = Paged(lens, 16, 3, 64, dtype=torch.bfloat16, seed=3)
+    q = strided_q(len(lens), 9, 64, seed=3, dtype=torch.bfloat16)
+    decode = torch.ops.kvtop_cpu.paged_decode
+    rest = (*cache.cache_args(), cache.block_tables.to(torch.int32))
+    want = decode(q, *rest, cache.seq_lens.to(torch.int32), 0.125, None, None)
+    spread = torch.zeros(2 * len(lens), dtype=torch.int32)
+    spread[::2] = cache.seq_lens
+    for seq_lens in (cache.seq_lens.to(torch.int64), spread[::2]):
+        assert torch.equal(decode(q, *rest, seq_lens, 0.125, None, None), want)
+    with pytest.raises(RuntimeError, match="one seq_len per query token"):
+        decode(q, *rest, cache.seq_lens[:-1].to(torch.int32), 0.125, None, None)
+
+
 @pytest.mark.parametrize("block_size", [16, 8])  # 8: the general kernel, which takes float32 rows
 @pytest.mark.parametrize("lens", [[1, 16, 45, 333, 130], [333]])
 def test_a_bf16_query_gives_the_float32_querys_result_rounded_bit_for_bit(lens, block_size):
