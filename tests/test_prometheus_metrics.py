@@ -113,3 +113,16 @@ def test_grafana_dashboard_reads_only_names_kvtop_and_vllm_share(server):
         base = re.sub(r"_(bucket|sum|count|total)$", "", name)
         assert base in VLLM_NAMES or base + "_total" in VLLM_NAMES, name
     assert all('model_name="$model_name"' in e for e in exprs)
+
+
+def test_an_observation_on_a_bucket_bound_counts_in_that_bucket_as_prometheus_le_does():
+    """A value equal to a bound falls in that bound's bucket (`le`), one just past it in the next, one
+    past the last bound in +Inf: what a histogram_quantile over the exported buckets expects."""
+    from engine.telemetry.metrics import ITL_BUCKETS, Histogram
+
+    h = Histogram(ITL_BUCKETS)
+    for v in (0.0, ITL_BUCKETS[0], ITL_BUCKETS[3], ITL_BUCKETS[3] + 1e-9, ITL_BUCKETS[-1] + 1.0):
+        h.observe(v, now=1.0)
+    counts = h.counts_only()["counts"]
+    assert counts[0] == 2 and counts[3] == 1 and counts[4] == 1 and counts[-1] == 1
+    assert sum(counts) == h.count == 5

@@ -7,6 +7,7 @@ per-request figures vLLM exports (prompt and generation lengths, prefill/decode/
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -45,7 +46,9 @@ class Histogram:
     def observe(self, value: float, now: float | None = None) -> None:
         self.count += 1
         self.sum += value
-        self.counts[int(np.searchsorted(self.buckets, value, side="left"))] += 1
+        # the first bucket whose bound is >= value (Prometheus' `le`); bisect, not np.searchsorted,
+        # which makes an array of the tuple on every call (several us a step, twice a decode step)
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.values.append(value)
         self.recent.append((now or time.time(), value))
 
