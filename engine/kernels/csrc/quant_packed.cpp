@@ -613,6 +613,25 @@ bool gemv_takes(const at::Tensor& x) {
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
 }
 
+namespace {
+
+// gemv's and gemv_silu_mul's checks of a call (`op` names it in the error): a packed weight of n
+// columns, x 1-4 bf16 or fp32 rows of its K, the bias a contiguous float32 [N].
+void check_call(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
+                const std::optional<at::Tensor>& bias, const char* op) {
+  check_packable(packed, format, n, op);
+  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), op, ": x must be a bfloat16 or float32 [M <= 4, K]");
+  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
+  TORCH_CHECK(x.size(1) % group_values == 0 &&
+                  packed.size(1) == x.size(1) / group_values * kvtop_quant::group_bytes(format),
+              op, ": x's K does not match the weight's");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                op, ": bias must be a contiguous float32 [N]");
+}
+
+}  // namespace
+
 #ifdef KVTOP_QUANT_PACKING
 namespace {
 
@@ -664,16 +683,9 @@ int64_t tiles_per_task(const at::Tensor& packed) {
 // x [M <= 4, K] bf16 or fp32 @ W^T (+ bias fp32 [N]) -> [M, N] in x's dtype, W packed (pack above).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n,
                 const std::optional<at::Tensor>& bias) {
-  check_packable(packed, format, n, "quant_packed_gemv");
   TORCH_CHECK(supported(), "quant_packed_gemv: this build has no AVX2 with FMA and F16C");
-  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_packed_gemv: x must be a bfloat16 or float32 [M <= 4, K]");
+  check_call(x, packed, format, n, bias, "quant_packed_gemv");
   const int64_t k = x.size(1), m = x.size(0);
-  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
-  TORCH_CHECK(k % group_values == 0 && packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
-              "quant_packed_gemv: x's K does not match the weight's");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "quant_packed_gemv: bias must be a contiguous float32 [N]");
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef KVTOP_QUANT_PACKING
   if (m == 0) return y;
@@ -702,18 +714,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
 // call's parallel region (SmolLM2 Q4_1, one sequence, a Zen 4: ~2.5 us a layer).
 at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t inter,
                          const std::optional<at::Tensor>& bias) {
-  check_packable(packed, format, 2 * inter, "quant_gate_up");
   TORCH_CHECK(gate_up_supported(), "quant_gate_up: this build has no AVX-512 with BF16");
-  TORCH_CHECK(!x.is_cuda() && gemv_takes(x), "quant_gate_up: x must be a bfloat16 or float32 [M <= 4, K]");
+  TORCH_CHECK(inter > 0 && inter % kTile == 0, "quant_gate_up: inter must be a positive multiple of 16");
+  check_call(x, packed, format, 2 * inter, bias, "quant_gate_up");
   const int64_t k = x.size(1), m = x.size(0);
-  const int64_t group_values = kvtop_quant::group_blocks(format) * kBlock;
-  TORCH_CHECK(inter % kTile == 0 && k % group_values == 0 &&
-                  packed.size(1) == k / group_values * kvtop_quant::group_bytes(format),
-              "quant_gate_up: x's K does not match the weight's");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * inter && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "quant_gate_up: bias must be a contiguous float32 [2 * inter]");
   at::Tensor out = at::empty({m, inter}, x.options());
 #ifdef KVTOP_QUANT_PACKED
   if (m == 0) return out;
