@@ -356,6 +356,20 @@ inline void store16(uint16_t* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
+// silu(gate) * up over 16 columns of a row of T (fp32, or bf16's bits): bf16 widened exactly, its SiLU
+// rounded before the product (torch's bf16 silu is a bf16 tensor of its own) and the result rounded as
+// torch rounds (bf16_pack keeps NaNs and denormals) — fused_ops.cpp's silu_and_mul, bit for bit.
+inline void silu_mul_row16(const float* gate, const float* up, float* out) {
+  _mm512_storeu_ps(out, kvtop_simd::silu_mul16<false>(_mm512_loadu_ps(gate), _mm512_loadu_ps(up)));
+}
+inline void silu_mul_row16(const uint16_t* gate, const uint16_t* up, uint16_t* out) {
+  auto widen = [](const uint16_t* p) {
+    return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const __m512 v = kvtop_simd::silu_mul16<true>(widen(gate), widen(up));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), kvtop_simd::bf16_pack(v));
+}
+
 inline float block_sum(const float* x) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
 }
@@ -630,6 +644,15 @@ void check_call(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
                 op, ": bias must be a contiguous float32 [N]");
 }
 
+// f(p) with p a float32 tensor's data, or a bfloat16 one's as its bits (uint16_t*).
+template <typename F>
+void with_lanes(const at::Tensor& t, const F& f) {
+  if (t.scalar_type() == at::kFloat)
+    f(t.data_ptr<float>());
+  else
+    f(reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()));
+}
+
 }  // namespace
 
 #ifdef KVTOP_QUANT_PACKING
@@ -693,15 +716,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t format, i
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   with_rows(x, format, [&](auto f, const RowsI16& rows, const float* xsum) {
     constexpr int64_t F = decltype(f)::value;
-    auto into = [&](auto* yp) {
+    with_lanes(y, [&](auto* yp) {
       at::parallel_for(0, n / kTile, tiles_per_task(packed), [&](int64_t t0, int64_t t1) {
         tiles<F>(rows, m, k, xsum, wp, t0, t1, bp, yp, n);
       });
-    };
-    if (x.scalar_type() == at::kFloat)
-      into(y.data_ptr<float>());
-    else
-      into(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    });
   });
 #endif
   return y;
@@ -725,8 +744,7 @@ at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   with_rows(x, format, [&](auto f, const RowsI16& rows, const float* xsum) {
     constexpr int64_t F = decltype(f)::value;
-    // load/store: a 16-lane row segment of T; round_silu: bf16's SiLU rounded before the product
-    auto into = [&](auto* op, auto load, auto store, auto round_silu) {
+    with_lanes(out, [&](auto* op) {
       using T = std::remove_pointer_t<decltype(op)>;
       at::parallel_for(0, inter / kTile, std::max<int64_t>(1, tiles_per_task(packed) / 2), [&](int64_t p0, int64_t p1) {
         alignas(64) T pair[4 * 2 * kTile];  // up to 4 rows of a gate tile, then its up tile
@@ -735,23 +753,11 @@ at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t 
             const int64_t t = 2 * p + half;
             tile<F>(rows, m, k, xsum, wp, t, bp ? bp + t * kTile : nullptr, pair + half * kTile, 2 * kTile);
           }
-          for (int64_t r = 0; r < m; ++r) {
-            const T* gate = pair + r * 2 * kTile;
-            store(op + r * inter + p * kTile,
-                  kvtop_simd::silu_mul16<decltype(round_silu)::value>(load(gate), load(gate + kTile)));
-          }
+          for (int64_t r = 0; r < m; ++r)
+            silu_mul_row16(pair + r * 2 * kTile, pair + r * 2 * kTile + kTile, op + r * inter + p * kTile);
         }
       });
-    };
-    if (x.scalar_type() == at::kFloat) {
-      into(out.data_ptr<float>(), [](const float* p) { return _mm512_loadu_ps(p); },
-           [](float* p, __m512 v) { _mm512_storeu_ps(p, v); }, std::false_type{});
-    } else {
-      into(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-           [](const uint16_t* p) { return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); },
-           [](uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvtop_simd::bf16_pack(v)); },
-           std::true_type{});
-    }
+    });
   });
 #endif
   return out;
@@ -821,32 +827,25 @@ at::Tensor gate_up_tiles(const at::Tensor& y, int64_t inter, bool silu) {
   const int64_t m = y.size(0), width = silu ? inter : 2 * inter;
   at::Tensor out = at::empty({m, width}, y.options());
 #ifdef KVTOP_QUANT_PACKED
-  auto rows = [&](auto* yp, auto* op, auto load, auto store, auto round_silu) {
+  with_lanes(out, [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const auto* src = yp + r * 2 * inter;
-        auto* dst = op + r * width;
+        const T* src = yp + r * 2 * inter;
+        T* dst = op + r * width;
         for (int64_t g = 0; g < inter / kTile; ++g) {
-          const auto* gate = src + 2 * kTile * g;
+          const T* gate = src + 2 * kTile * g;
           if (silu) {
-            store(dst + kTile * g, kvtop_simd::silu_mul16<decltype(round_silu)::value>(load(gate), load(gate + kTile)));
+            silu_mul_row16(gate, gate + kTile, dst + kTile * g);
           } else {
-            std::memcpy(dst + kTile * g, gate, kTile * sizeof(*gate));
-            std::memcpy(dst + inter + kTile * g, gate + kTile, kTile * sizeof(*gate));
+            std::memcpy(dst + kTile * g, gate, kTile * sizeof(T));
+            std::memcpy(dst + inter + kTile * g, gate + kTile, kTile * sizeof(T));
           }
         }
       }
     });
-  };
-  if (y.scalar_type() == at::kFloat) {
-    rows(y.data_ptr<float>(), out.data_ptr<float>(), [](const float* p) { return _mm512_loadu_ps(p); },
-         [](float* p, __m512 v) { _mm512_storeu_ps(p, v); }, std::false_type{});
-  } else {  // torch's bf16 silu is a bf16 tensor of its own: rounded before the product
-    rows(reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-         [](const uint16_t* p) { return kvtop_simd::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); },
-         [](uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvtop_simd::bf16_pack(v)); },
-         std::true_type{});
-  }
+  });
 #else
   TORCH_CHECK(false, "quant_gate_up: this build has no AVX-512 with BF16");
 #endif
